@@ -1,0 +1,1 @@
+"""HTTP/SSE client for the dasc front end."""

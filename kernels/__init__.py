@@ -1,0 +1,1 @@
+"""Triton kernels for checkpoint packing, each with a torch reference beside it."""

@@ -1,0 +1,1 @@
+"""Load generator reproducing the paper's matched-budget TTFT protocol."""

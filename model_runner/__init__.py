@@ -1,0 +1,1 @@
+"""Rank-side tensor-parallel model runner for hybrid linear-attention models (GDN and KDA)."""

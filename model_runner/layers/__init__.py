@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks with per-parameter weight loaders."""

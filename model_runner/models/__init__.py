@@ -1,0 +1,1 @@
+"""Model definitions keyed by the `architectures` entry of config.json."""
