@@ -1,0 +1,1 @@
+"""Decay-aware state compression: horizons, selection plans, checkpoint formats, placement."""
