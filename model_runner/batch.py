@@ -1,0 +1,74 @@
+"""What one forward step computes: typed inputs from the driver, tensors derived for the layers.
+
+A step is a list of sequences; sequence i brings ``len(token_ids)`` new tokens at positions
+``[prefix_len, prefix_len + n)``.  Its KV pages must already cover ``[0, prefix_len + n)`` and
+its active state slot must hold the recurrent state after ``prefix_len`` tokens (a slot is zeroed
+by the runner when ``prefix_len == 0``).  Flattened token order is sequence-major:
+sequence i occupies ``[cu_seqlens[i], cu_seqlens[i+1])``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SeqInput:
+    token_ids: list[int]
+    prefix_len: int
+    page_table: list[int]  # KV page ids in position order
+    state_slot: int
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    seq_lens: list[int]  # new tokens per sequence
+    prefix_lens: list[int]
+    cu_seqlens: list[int]  # [B + 1]
+    state_slots: torch.Tensor  # [B] int64
+    kv_write_index: torch.Tensor  # [N] flat KV-pool row of each new token
+    kv_read_index: list[torch.Tensor]  # per sequence: flat rows of positions [0, prefix + n)
+    is_decode: bool  # every sequence brings exactly one token
+    last_token_index: torch.Tensor = field(init=False)  # [B] row of each sequence's last token
+
+    def __post_init__(self) -> None:
+        self.last_token_index = torch.tensor(self.cu_seqlens[1:], dtype=torch.long) - 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
+    if not seqs:
+        raise ValueError("empty batch")
+    tokens, positions, write, read, cu = [], [], [], [], [0]
+    for s in seqs:
+        n, end = len(s.token_ids), s.prefix_len + len(s.token_ids)
+        if n == 0:
+            raise ValueError("a sequence in the batch has no new tokens")
+        if len(s.page_table) * page_size < end:
+            raise ValueError(f"page table covers {len(s.page_table) * page_size} < {end} tokens")
+        pages = torch.tensor(s.page_table, dtype=torch.long)
+        pos = torch.arange(end, dtype=torch.long)
+        rows = pages[pos // page_size] * page_size + pos % page_size
+        tokens.extend(s.token_ids)
+        positions.append(pos[s.prefix_len :])
+        write.append(rows[s.prefix_len :])
+        read.append(rows.to(device))
+        cu.append(cu[-1] + n)
+    return ForwardBatch(
+        token_ids=torch.tensor(tokens, dtype=torch.long, device=device),
+        positions=torch.cat(positions).to(device),
+        seq_lens=[len(s.token_ids) for s in seqs],
+        prefix_lens=[s.prefix_len for s in seqs],
+        cu_seqlens=cu,
+        state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=device),
+        kv_write_index=torch.cat(write).to(device),
+        kv_read_index=read,
+        is_decode=all(len(s.token_ids) == 1 for s in seqs),
+    )

@@ -1,0 +1,58 @@
+"""Full-attention helpers: partial rotary embedding and causal attention over paged KV.
+
+Attention runs per sequence over the rows its page table maps (``batch.kv_read_index``): query i
+of a sequence sits at position prefix_len + i and sees keys [0, prefix_len + i].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_runner.batch import ForwardBatch
+
+
+class PartialRotary:
+    """RoPE on the first ``rotary_dim`` features of each head (rotate-half convention)."""
+
+    def __init__(self, head_dim: int, partial_factor: float, theta: float):
+        self.rotary_dim = int(head_dim * partial_factor)
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [N, H, D]; positions: [N]."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None]  # [N, rd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                     scale: float) -> torch.Tensor:
+    """One sequence. q: [n, H, D]; k: [L, Hkv, D]; v: [L, Hkv, Dv]; L = prefix_len + n."""
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    if num_kv != num_heads:
+        k = k.repeat_interleave(num_heads // num_kv, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv, dim=1)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, n, L]
+    n, total = q.shape[1], k.shape[1]
+    future = torch.arange(total, device=q.device)[None] > (
+        prefix_len + torch.arange(n, device=q.device)[:, None])
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)  # [n, H, Dv]
+
+
+def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expand, scale: float
+                 ) -> torch.Tensor:
+    """Run ``causal_attention`` for each sequence; ``expand(rows) -> (k, v)`` reads its cache."""
+    outs = []
+    for i, rows in enumerate(batch.kv_read_index):
+        a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+        k, v = expand(cache[rows])
+        outs.append(causal_attention(q[a:b], k, v, batch.prefix_lens[i], scale))
+    return torch.cat(outs)

@@ -1,0 +1,133 @@
+"""Tensor-parallel linears and embeddings with per-parameter weight loaders.
+
+Every shard is described by *index lists into the on-disk tensor*, not by (rank, size) arithmetic:
+a column-parallel weight keeps rows ``index`` of the full weight, a row-parallel one keeps columns
+``index``.  Contiguous TP slices, GVA head bundles and the load-time head permutation of
+TP-balanced placement are then all the same mechanism.
+
+A parameter's ``weight_loader(param, loaded, shard_id)`` copies the selected part of an on-disk
+tensor into its place; merged parameters (gate|up, q|k|v conv) place each ``shard_id`` at its own
+offset along the sharded dim, in declaration order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_runner.parallel import TPGroup
+
+Index = torch.Tensor | None  # None: the whole on-disk extent
+
+
+def group_rows(groups: Sequence[int], group_size: int) -> torch.Tensor:
+    """Row indices of the listed groups of ``group_size`` consecutive rows, in listed order."""
+    g = torch.as_tensor(list(groups), dtype=torch.long)
+    return (g[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+
+
+def rank_slice(num: int, tp: TPGroup) -> list[int]:
+    """This rank's contiguous share of ``num`` items (``num`` must divide evenly)."""
+    per = num // tp.size
+    return list(range(tp.rank * per, (tp.rank + 1) * per))
+
+
+def attach_loader(
+    param: nn.Parameter,
+    parts: dict[object, Index],
+    dim: int = 0,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> nn.Parameter:
+    """Give ``param`` a loader: part ``shard_id`` takes ``loaded.index_select(dim, index)``."""
+    offsets, off = {}, 0
+    for shard_id, index in parts.items():
+        offsets[shard_id] = off
+        off += len(index) if index is not None else param.shape[dim] - off
+
+    def weight_loader(p: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if transform is not None:
+            loaded = transform(loaded)
+        index = parts[shard_id]
+        src = loaded if index is None else loaded.index_select(dim, index)
+        dst = p.data.narrow(dim, offsets[shard_id], src.shape[dim])
+        if dst.shape != src.shape:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit parameter {tuple(dst.shape)}")
+        dst.copy_(src)
+
+    param.weight_loader = weight_loader
+    return param
+
+
+def new_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T keeping the output rows listed in ``parts`` (merged when several)."""
+
+    def __init__(self, in_features: int, parts: dict[object, torch.Tensor], dtype: torch.dtype):
+        super().__init__()
+        out_features = sum(len(index) for index in parts.values())
+        self.weight = attach_loader(new_param(out_features, in_features, dtype=dtype), parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ReplicatedLinear(ColumnParallelLinear):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__(in_features, {None: torch.arange(out_features)}, dtype)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) keeping the input columns listed in ``index``."""
+
+    def __init__(self, index: torch.Tensor, out_features: int, tp: TPGroup, dtype: torch.dtype,
+                 reduce: bool = True):
+        super().__init__()
+        self.tp, self.reduce = tp, reduce
+        self.weight = attach_loader(new_param(out_features, len(index), dtype=dtype),
+                                    {None: index}, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return self.tp.all_reduce(y) if self.reduce else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank*V_p, (rank+1)*V_p) of the vocabulary, V_p = ceil(vocab / tp); padded rows are 0."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
+        self.weight = new_param(self.per_rank, hidden_size, dtype=dtype)
+        self.weight.data.zero_()
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"vocabulary rows {loaded.shape[0]} != vocab_size {self.vocab_size}")
+        rows = loaded[self.start : self.start + self.per_rank]
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        is_mine = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight)
+        out = out * is_mine[:, None].to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-sharded output projection; every rank gets the full [N, vocab] logits."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last(logits)[:, : self.vocab_size]

@@ -1,0 +1,122 @@
+"""Dense gated MLP and sparse MoE, both sharded over the intermediate dimension.
+
+Every rank holds every expert's slice [rank*I/T, (rank+1)*I/T) of the intermediate features, so
+routing (replicated, identical on all ranks) needs no communication and the routed experts plus
+the shared expert cost one all-reduce together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_runner.config import ModelConfig
+from model_runner.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    attach_loader,
+    new_param,
+    rank_slice,
+)
+from model_runner.parallel import TPGroup
+
+
+def _intermediate_index(size: int, tp: TPGroup, field: str) -> torch.Tensor:
+    if size % tp.size:
+        raise ValueError(f"{field}={size} is not divisible by tp={tp.size}")
+    return torch.tensor(rank_slice(size, tp))
+
+
+class DenseMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); ``reduce=False`` leaves the partial sum for the caller."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, dtype: torch.dtype,
+                 reduce: bool = True, field: str = "intermediate_size"):
+        super().__init__()
+        index = _intermediate_index(intermediate, tp, field)
+        self.gate_up_proj = ColumnParallelLinear(hidden, {0: index, 1: index}, dtype)
+        self.down_proj = RowParallelLinear(index, hidden, tp, dtype, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts plus shared expert(s).
+
+    Qwen3-Next: softmax router, optional renormalisation, sigmoid-gated shared expert.
+    Kimi-Linear: sigmoid router with score-correction bias, grouped top-k, routed scaling.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        num_experts, hidden = cfg.num_experts, cfg.hidden_size
+        index = _intermediate_index(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+        local = len(index)
+        router_dtype = torch.float32 if cfg.is_kda else dtype
+        self.gate = ReplicatedLinear(hidden, num_experts, router_dtype)
+        self.w13 = new_param(num_experts, 2 * local, hidden, dtype=dtype)  # [E, gate|up, hidden]
+        self.w2 = new_param(num_experts, hidden, local, dtype=dtype)
+        self.w13.weight_loader = self._expert_loader(index, dim=0)
+        self.w2.weight_loader = self._expert_loader(index, dim=1)
+        self.shared_expert = DenseMLP(hidden, cfg.shared_expert_intermediate_size, tp, dtype,
+                                      reduce=False, field="shared_expert_intermediate_size")
+        if cfg.is_kda:
+            bias = new_param(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = attach_loader(bias, {None: None})
+            self.shared_expert_gate = None
+        else:
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype)
+
+    @staticmethod
+    def _expert_loader(index: torch.Tensor, dim: int):
+        def load(p: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int) -> None:
+            if isinstance(shard_id, tuple):  # (0 gate | 1 up, expert)
+                half, expert = shard_id
+                dst = p.data[expert].narrow(0, half * len(index), len(index))
+            else:
+                dst = p.data[shard_id]
+            dst.copy_(loaded.index_select(dim, index))
+
+        return load
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [N, k], expert ids [N, k])."""
+        cfg = self.cfg
+        if not cfg.is_kda:
+            logits = self.gate(x)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+            if cfg.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights.to(logits.dtype), ids
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        groups, per_group = cfg.num_expert_group, cfg.num_experts // cfg.num_expert_group
+        group_scores = choice.view(-1, groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        top_groups = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, groups, per_group).reshape(x.shape[0], -1)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, hidden]
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == expert)
+            gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.all_reduce(out + shared)

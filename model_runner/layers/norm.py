@@ -1,0 +1,47 @@
+"""RMS norms in the exact operation order of each architecture (needed for bitwise-close logits).
+
+Qwen3-Next: ``(x_hat * (1 + w)).to(dtype)``, gated ``(w * x_hat.to(dtype)) * silu(z)``.
+Kimi-Linear (Llama style): ``w * x_hat.to(dtype)``, gated ``w * x_hat * sigmoid(z)`` in FP32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_runner.layers.linear import attach_loader, new_param
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, unit_offset: bool):
+        super().__init__()
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = attach_loader(new_param(dim, dtype=dtype), {None: None})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:  # Qwen3-Next stores w - 1
+            return (_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * _normalize(x, self.eps).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head output norm of a linear-attention layer, gated by z (silu: GDN, sigmoid: KDA)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, gate: str):
+        super().__init__()
+        self.eps, self.gate = eps, gate
+        self.weight = attach_loader(new_param(dim, dtype=dtype), {None: None})
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.gate == "silu":
+            y = self.weight * _normalize(x, self.eps).to(dtype)
+            return (y * F.silu(z.float())).to(dtype)
+        y = self.weight.float() * _normalize(x, self.eps)
+        return (y * torch.sigmoid(z.float())).to(dtype)

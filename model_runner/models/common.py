@@ -1,0 +1,133 @@
+"""Parts shared by both hybrid architectures: step context, the recurrent-state plumbing of a
+linear-attention layer, the decoder layer, and the causal-LM shell with its name mapping."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model_runner.batch import ForwardBatch
+from model_runner.config import ModelConfig
+from model_runner.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from model_runner.layers.mlp import DenseMLP, SparseMoE
+from model_runner.layers.norm import RMSNorm
+from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
+from model_runner.ops.short_conv import conv_decode, conv_prefill
+from model_runner.parallel import TPGroup
+from model_runner.pools import KVPool, StatePool
+
+
+@dataclass(slots=True)
+class StepContext:
+    """Everything a layer reads besides its input: the batch and this rank's pools."""
+
+    batch: ForwardBatch
+    kv: KVPool
+    state: StatePool
+    capture: dict | None = None  # when a dict: layers record analysis tensors into it
+
+
+def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, layer: int
+               ) -> torch.Tensor:
+    """Causal conv over [N, C] channels, carrying each sequence's conv state in its slot."""
+    batch, pool = ctx.batch, ctx.state.conv[layer]
+    slots = batch.state_slots
+    if batch.is_decode:
+        out, pool[slots] = conv_decode(mixed, weight, pool[slots])
+        return out
+    outs = []
+    for i, slot in enumerate(slots.tolist()):
+        a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+        out, pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
+        outs.append(out)
+    return torch.cat(outs)
+
+
+def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float) -> torch.Tensor:
+    """Gated delta rule from / into each sequence's temporal state; returns o [N, Hv, V] FP32."""
+    batch, pool = ctx.batch, ctx.state.temporal[layer]
+    slots = batch.state_slots
+    if batch.is_decode:
+        o, pool[slots] = delta_rule_decode(q, k, v, g, beta, pool[slots], scale)
+    else:
+        o, pool[slots] = delta_rule_prefill(q, k, v, g, beta, pool[slots], batch.cu_seqlens, scale)
+    if ctx.capture is not None:
+        ctx.capture.setdefault("g", {})[layer] = g.detach().clone()
+        ctx.capture.setdefault("q", {})[layer] = q.detach().clone()
+    return o
+
+
+def bundles_of_rank(num_bundles: int, tp: TPGroup, head_order: list[list[int]] | None,
+                    linear_index: int) -> list[int]:
+    """Rank r keeps ``order[r*nb/T : (r+1)*nb/T]`` of this layer's bundle order (default 0..nb-1)."""
+    order = list(range(num_bundles)) if head_order is None else list(head_order[linear_index])
+    if sorted(order) != list(range(num_bundles)):
+        raise ValueError(f"head order of linear layer {linear_index} is not a permutation of "
+                         f"{num_bundles} heads")
+    per = num_bundles // tp.size
+    return order[tp.rank * per : (tp.rank + 1) * per]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, mixer: nn.Module,
+                 mixer_name: str, layer_id: int):
+        super().__init__()
+        qwen_norm = not cfg.is_kda
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, qwen_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                qwen_norm)
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        if cfg.mlp_types[layer_id] == "sparse":
+            self.mlp = SparseMoE(cfg, tp, dtype)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, not cfg.is_kda)
+
+
+class HybridForCausalLM(nn.Module):
+    """``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``, ``lm_head`` as on disk."""
+
+    # (on-disk pattern, parameter name, shard id); the first match wins; None drops the tensor
+    name_rules: list[tuple[str, str | None, object]] = []
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layers: list[nn.Module]):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.model = Backbone(cfg, tp, dtype, layers)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+
+    def forward(self, ctx: StepContext, all_logits: bool = False) -> torch.Tensor:
+        x = self.model.embed_tokens(ctx.batch.token_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        if not all_logits:
+            x = x[ctx.batch.last_token_index.to(x.device)]
+        return self.lm_head(self.model.norm(x)).float()
+
+    @classmethod
+    def map_name(cls, name: str) -> tuple[str | None, object]:
+        """On-disk tensor name -> (parameter name or None to skip, shard id)."""
+        for pattern, target, shard in cls.name_rules:
+            m = re.search(pattern, name)
+            if m is None:
+                continue
+            if target is None:
+                return None, None
+            shard_id = shard(m) if callable(shard) else shard
+            return name[: m.start()] + m.expand(target) + name[m.end() :], shard_id
+        return name, None

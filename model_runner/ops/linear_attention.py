@@ -1,0 +1,76 @@
+"""One interface for the delta-rule recurrence, chosen by device at run time.
+
+CPU: ``chunk_delta_rule`` per sequence for prefill, ``recurrent_step`` for decode (torch).
+CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
+lazily, so this module imports on machines without a GPU driver.
+
+Shapes: q, k [N, Hk, K] (L2-normalised, FP32); v [N, Hv, V]; g [N, Hv] (GDN) or [N, Hv, K]
+(KDA); beta [N, Hv]; states [B, Hv, K, V] FP32, one per sequence.  Hv = ratio * Hk (GVA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_runner.ops.delta_rule import chunk_delta_rule, recurrent_step
+
+
+def _expand(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
+    ratio = num_v_heads // x.shape[-2]
+    return x if ratio == 1 else x.repeat_interleave(ratio, dim=-2)
+
+
+def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (o [N, Hv, V] FP32, final states [B, Hv, K, V] FP32)."""
+    if q.is_cuda:
+        return _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale)
+    q, k = _expand(q, v.shape[-2]), _expand(k, v.shape[-2])
+    outs, finals = [], []
+    for i in range(len(cu_seqlens) - 1):
+        a, b = cu_seqlens[i], cu_seqlens[i + 1]
+        o, final = chunk_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b],
+                                    beta[None, a:b], states[i : i + 1], scale)
+        outs.append(o[0])
+        finals.append(final)
+    return torch.cat(outs), torch.cat(finals)
+
+
+def delta_rule_decode(q, k, v, g, beta, states, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: q, k [B, Hk, K] ... -> (o [B, Hv, V], new states)."""
+    if q.is_cuda:
+        return _fla_decode(q, k, v, g, beta, states, scale)
+    q, k = _expand(q, v.shape[-2]), _expand(k, v.shape[-2])
+    return recurrent_step(q, k, v, g, beta, states, scale)
+
+
+def _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale):
+    cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
+    args = dict(scale=scale, initial_state=states.contiguous(), output_final_state=True,
+                cu_seqlens=cu)
+    if g.dim() == 3:
+        from fla.ops.kda import chunk_kda
+
+        o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], **args)
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                                          **args)
+    return o[0].float(), final.float()
+
+
+def _fla_decode(q, k, v, g, beta, states, scale):
+    args = dict(scale=scale, initial_state=states.contiguous(), output_final_state=True)
+    if g.dim() == 3:
+        from fla.ops.kda import fused_recurrent_kda
+
+        o, final = fused_recurrent_kda(q[:, None], k[:, None], v[:, None], g[:, None],
+                                       beta[:, None], **args)
+    else:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        o, final = fused_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None],
+                                                    g=g[:, None], beta=beta[:, None], **args)
+    return o[:, 0].float(), final.float()

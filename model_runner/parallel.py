@@ -1,0 +1,64 @@
+"""Tensor-parallel group: rank, size and the three collectives the model needs.
+
+Passed explicitly to every parallel layer (no global singleton). With size 1 every collective is
+the identity and torch.distributed is never touched, so single-process use needs no launcher.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate equal-shaped shards along the last dim, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's object on every rank (typed messages from the driver to the other ranks)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def init_tp_group(device: torch.device) -> TPGroup:
+    """Join the torchrun world (gloo on CPU, NCCL on CUDA); a plain process is a group of one."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return TPGroup()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    return TPGroup(rank=dist.get_rank(), size=dist.get_world_size())
+
+
+def shutdown_tp_group(tp: TPGroup) -> None:
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

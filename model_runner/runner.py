@@ -1,0 +1,99 @@
+"""ModelRunner: one TP rank's model, KV pool and state pool; executes steps it is given.
+
+The runner decides no policy.  A driver (the offline engine, later the scheduler through rank 0)
+hands it ``SeqInput`` lists whose page tables and state slots it has allocated, and reads back
+logits.  All ranks must run the same steps in the same order (SPMD); every rank ends a step with
+the full logits, so sampling with a shared seed gives the same token everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model_runner.batch import SeqInput, build_batch
+from model_runner.config import ModelConfig
+from model_runner.loader import build_model, check_tp, load_weights
+from model_runner.models.common import StepContext
+from model_runner.parallel import TPGroup
+from model_runner.pools import KVPool, RequestState, StatePool
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_pages: int = 256
+    page_size: int = 16
+    num_state_slots: int = 16  # including the reserved slot 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        return DTYPES[self.dtype]
+
+
+class ModelRunner:
+    def __init__(self, rc: RunnerConfig, tp: TPGroup | None = None,
+                 head_order: list[list[int]] | None = None):
+        self.rc, self.tp = rc, tp or TPGroup()
+        self.device = torch.device(rc.device)
+        model_dir = Path(rc.model_dir)
+        self.cfg = cfg = ModelConfig.from_dir(model_dir)
+        check_tp(cfg, self.tp.size, str(model_dir / "config.json"))
+        dtype = rc.torch_dtype
+        self.model = build_model(cfg, self.tp, dtype, head_order)
+        load_weights(self.model, model_dir)
+        self.model.to(self.device)
+        self.kv = KVPool([type(self.model).kv_entry_shape(cfg, self.tp)] * len(cfg.full_layer_ids),
+                         rc.num_pages, rc.page_size, dtype, self.device)
+        mixer = self._first_linear_mixer()
+        heads_local = cfg.linear_num_value_heads // self.tp.size
+        self.state = StatePool(cfg.num_linear_layers, rc.num_state_slots, heads_local,
+                               cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                               mixer.conv1d.weight.shape[0], cfg.linear_conv_kernel_dim,
+                               dtype, self.device)
+
+    def _first_linear_mixer(self):
+        layer = self.model.model.layers[self.cfg.linear_layer_ids[0]]
+        return getattr(layer, layer.mixer_name)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def check_tokens(self, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput], all_logits: bool = False,
+                capture: dict | None = None) -> torch.Tensor:
+        """Run one step. Returns logits [num_seqs, vocab] (last token of each sequence), or
+        [num_tokens, vocab] with ``all_logits``.  Fresh sequences (prefix_len 0) start from a
+        zeroed state slot."""
+        for s in seqs:
+            self.check_tokens(s.token_ids)
+        fresh = [s.state_slot for s in seqs if s.prefix_len == 0]
+        if fresh:
+            self.state.zero(torch.tensor(fresh, device=self.device))
+        batch = build_batch(seqs, self.rc.page_size, self.device)
+        ctx = StepContext(batch, self.kv, self.state, capture)
+        return self.model(ctx, all_logits=all_logits)
+
+    # State API used by the prefix cache: a request's per-layer (conv, temporal) state.
+    def read_state(self, slot: int) -> RequestState:
+        return self.state.read(slot)
+
+    def write_state(self, slot: int, state: RequestState) -> None:
+        self.state.write(slot, state)
+
+    def zero_state(self, slot: int) -> None:
+        self.state.zero(slot)
