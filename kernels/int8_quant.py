@@ -1,0 +1,184 @@
+"""Symmetric per-row INT8 quantisation of recurrent-state checkpoints.
+
+A row is the value dim V of one (layer, head, key channel): for GDN the K rows of each head state
+`[K, V]`, for KDA one unit. Per row: `s = max(amax(|x|), 1e-8) / 127`,
+`q = clip(round_half_even(x / s), -127, 127)` (int8); dequantisation is `x' = q * s` in FP32.
+
+The Triton kernels reproduce the torch reference bit for bit: both divide with IEEE
+round-to-nearest (`tl.div_rn`; Triton's plain `/` may be approximate on GPUs) and round half to
+even (done explicitly in Triton, which has no such rounding builtin).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INT8_MAX = 127
+SCALE_EPS = 1e-8
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"need a non-empty last dim, got shape {tuple(x.shape)}")
+    return x.reshape(-1, x.shape[-1])  # [N, V]
+
+
+def _block_sizes(num_rows: int, dim: int) -> tuple[int, int]:
+    block_v = min(triton.next_power_of_2(dim), 1024)  # longer rows are walked in chunks
+    block_n = min(triton.next_power_of_2(num_rows), max(1, 4096 // block_v))
+    return block_n, block_v
+
+
+# ---------------------------------------------------------------- torch reference
+
+
+def quantize_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `quantize_int8`."""
+    x = x.float()  # [..., V]
+    amax = x.abs().amax(dim=-1)  # [...]
+    # Divide by a tensor, not a Python scalar: CUDA turns `t / 127` into `t * (1 / 127)`, which
+    # is not the correctly rounded quotient the kernel computes.
+    scale = amax.clamp_min(SCALE_EPS) / torch.full_like(amax, INT8_MAX)  # [...]
+    q = torch.round(x / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8_ref(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Torch reference of `dequantize_int8`."""
+    x = q.float() * scale[..., None]  # [..., V]
+    if out is None:
+        return x
+    return out.copy_(x)
+
+
+# ---------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _round_half_even(y):
+    # Exact for |y| < 2**23: y - floor(y) and the parity test are representable in fp32.
+    down = tl.floor(y)
+    frac = y - down
+    is_odd = (down - 2.0 * tl.floor(down * 0.5)) != 0.0
+    round_up = (frac > 0.5) | ((frac == 0.5) & is_odd)
+    return tl.where(round_up, down + 1.0, down)
+
+
+@triton.jit
+def _quantize_int8_kernel(
+    x_ptr, q_ptr, scale_ptr, num_rows, dim, x_stride, q_stride,
+    EPS: tl.constexpr, QMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for v0 in range(0, dim, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = row_ok[:, None] & (cols < dim)[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    scale = tl.div_rn(tl.maximum(amax, EPS), QMAX)  # [BLOCK_N]
+    tl.store(scale_ptr + rows64, scale, mask=row_ok)
+    for v0 in range(0, dim, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        mask = row_ok[:, None] & (cols < dim)[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+        y = _round_half_even(tl.div_rn(x.to(tl.float32), scale[:, None]))
+        q = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.int8)
+        tl.store(q_ptr + rows64[:, None] * q_stride + cols[None, :], q, mask=mask)
+
+
+@triton.jit
+def _dequantize_int8_kernel(
+    q_ptr, scale_ptr, out_ptr, num_rows, dim, q_stride, out_stride,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # grid: (row blocks, column blocks)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (cols < dim)[None, :]
+    rows64 = rows.to(tl.int64)
+    scale = tl.load(scale_ptr + rows64, mask=row_ok, other=0.0)  # [BLOCK_N]
+    q = tl.load(q_ptr + rows64[:, None] * q_stride + cols[None, :], mask=mask, other=0)
+    x = q.to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + rows64[:, None] * out_stride + cols[None, :], x, mask=mask)
+
+
+def quantize_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton implementation of `quantize_int8` (CUDA, or CPU under the Triton interpreter)."""
+    rows = _rows(x)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    num_rows, dim = rows.shape
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)  # [..., V]
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)  # [...]
+    if num_rows == 0:
+        return q, scale
+    block_n, block_v = _block_sizes(num_rows, dim)
+    _quantize_int8_kernel[(triton.cdiv(num_rows, block_n),)](
+        rows, q, scale, num_rows, dim, rows.stride(0), dim,
+        EPS=SCALE_EPS, QMAX=float(INT8_MAX), BLOCK_N=block_n, BLOCK_V=block_v,
+    )  # fmt: skip
+    return q, scale
+
+
+def dequantize_int8_triton(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton implementation of `dequantize_int8` (CUDA, or CPU under the Triton interpreter)."""
+    _check_dequantize_args(q, scale, out)
+    rows = _rows(q).contiguous()  # [N, V]
+    scale = scale.reshape(-1).float().contiguous()  # [N]
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    num_rows, dim = rows.shape
+    if num_rows == 0:
+        return out
+    block_n, block_v = _block_sizes(num_rows, dim)
+    grid = (triton.cdiv(num_rows, block_n), triton.cdiv(dim, block_v))
+    _dequantize_int8_kernel[grid](
+        rows, scale, out, num_rows, dim, dim, dim, BLOCK_N=block_n, BLOCK_V=block_v
+    )
+    return out
+
+
+def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None) -> None:
+    if q.dtype != torch.int8 or scale.shape != q.shape[:-1]:
+        raise ValueError(
+            f"want int8 q [..., V] and scale [...], got {q.dtype} {tuple(scale.shape)}"
+        )
+    if out is not None and (
+        out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous()
+    ):
+        raise ValueError("out must be a contiguous float32 tensor shaped like q")
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise `x` `[..., V]` per row over V; returns q `[..., V]` int8 and scale `[...]` fp32.
+
+    `s = max(amax(|x|), 1e-8) / 127`, `q = clip(round(x / s), -127, 127)`, round half to even.
+    Uses Triton on CUDA tensors and the torch reference otherwise; both give identical bits.
+    """
+    return quantize_int8_triton(x) if x.is_cuda else quantize_int8_ref(x)
+
+
+def dequantize_int8(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dequantise q `[..., V]` int8 with scale `[...]` into FP32 `q * s`, written to `out` if given.
+
+    `out` must be a contiguous float32 tensor shaped like q. Returns the result tensor.
+    """
+    if q.is_cuda:
+        return dequantize_int8_triton(q, scale, out)
+    _check_dequantize_args(q, scale, out)
+    return dequantize_int8_ref(q, scale, out)
