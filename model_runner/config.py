@@ -120,7 +120,8 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
             known = ", ".join(ARCHITECTURES)
-            raise ConfigError(f"{source}: architectures={archs!r} is not supported (known: {known})")
+            raise ConfigError(f"{source}: architectures={archs!r} is not supported "
+                              f"(known: {known})")
         parse = _parse_kda if ARCHITECTURES[arch] == "kda" else _parse_gdn
         cfg = parse(_Fields(raw, source))
         _validate(cfg, source)

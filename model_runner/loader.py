@@ -53,7 +53,8 @@ def weight_files(model_dir: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise WeightsError(f"{index}: not a valid safetensors index (needs 'weight_map')")
+            raise WeightsError(f"{index}: not a valid safetensors index (needs 'weight_map')"
+                               ) from None
         files = [model_dir / f for f in sorted(set(weight_map.values()))]
     else:
         files = sorted(model_dir.glob("*.safetensors"))

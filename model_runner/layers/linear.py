@@ -54,7 +54,7 @@ def attach_loader(
         src = loaded if index is None else loaded.index_select(dim, index)
         dst = p.data.narrow(dim, offsets[shard_id], src.shape[dim])
         if dst.shape != src.shape:
-            raise ValueError(f"shape {tuple(loaded.shape)} does not fit parameter {tuple(dst.shape)}")
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(src)
 
     param.weight_loader = weight_loader
@@ -98,7 +98,7 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [rank*V_p, (rank+1)*V_p) of the vocabulary, V_p = ceil(vocab / tp); padded rows are 0."""
+    """Vocabulary rows [rank*V_p, (rank+1)*V_p), V_p = ceil(vocab / tp); padding rows are 0."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()

@@ -62,7 +62,7 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float) -> 
 
 def bundles_of_rank(num_bundles: int, tp: TPGroup, head_order: list[list[int]] | None,
                     linear_index: int) -> list[int]:
-    """Rank r keeps ``order[r*nb/T : (r+1)*nb/T]`` of this layer's bundle order (default 0..nb-1)."""
+    """Rank r keeps ``order[r*nb/T : (r+1)*nb/T]`` of the layer's bundle order (default 0..)."""
     order = list(range(num_bundles)) if head_order is None else list(head_order[linear_index])
     if sorted(order) != list(range(num_bundles)):
         raise ValueError(f"head order of linear layer {linear_index} is not a permutation of "

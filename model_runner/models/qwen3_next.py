@@ -42,7 +42,8 @@ class GatedDeltaNet(nn.Module):
         self.linear_index = linear_index
         r, dk, dv = cfg.gva_ratio, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         num_k = cfg.linear_num_key_heads
-        self.num_k_local, self.num_v_local, self.r, self.dk, self.dv = len(bundles), len(bundles) * r, r, dk, dv
+        self.num_k_local, self.num_v_local = len(bundles), len(bundles) * r
+        self.r, self.dk, self.dv = r, dk, dv
         v_heads = [b * r + j for b in bundles for j in range(r)]
         self.in_proj_qkvz = ColumnParallelLinear(
             cfg.hidden_size, {None: group_rows(bundles, 2 * dk + 2 * r * dv)}, dtype)
@@ -61,7 +62,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(group_rows(v_heads, dv), cfg.hidden_size, tp, dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        n, hk, hv, r, dk, dv = x.shape[0], self.num_k_local, self.num_v_local, self.r, self.dk, self.dv
+        n, hk, hv = x.shape[0], self.num_k_local, self.num_v_local
+        r, dk, dv = self.r, self.dk, self.dv
         q, k, v, z = self.in_proj_qkvz(x).view(n, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = self.in_proj_ba(x).view(n, hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
@@ -131,9 +133,11 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         for i, kind in enumerate(cfg.layer_types):
             if kind == "linear_attention":
                 bundles = bundles_of_rank(cfg.linear_num_key_heads, tp, head_order, lin)
-                mixer, name, lin = GatedDeltaNet(cfg, tp, dtype, bundles, lin), "linear_attn", lin + 1
+                mixer, name = GatedDeltaNet(cfg, tp, dtype, bundles, lin), "linear_attn"
+                lin += 1
             else:
-                mixer, name, full = GatedAttention(cfg, tp, dtype, full), "self_attn", full + 1
+                mixer, name = GatedAttention(cfg, tp, dtype, full), "self_attn"
+                full += 1
             layers.append(DecoderLayer(cfg, tp, dtype, mixer, name, i))
         super().__init__(cfg, tp, dtype, layers)
 
