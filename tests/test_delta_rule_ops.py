@@ -1,0 +1,120 @@
+"""Chunked CPU delta rule vs token-by-token recurrence vs fla's naive torch references."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+import pytest
+import torch
+
+from model_runner.ops.delta_rule import (
+    chunk_delta_rule,
+    l2norm_div,
+    recurrent_delta_rule,
+    recurrent_step,
+)
+from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
+from model_runner.ops.short_conv import conv_decode, conv_prefill
+
+
+def _fla_naive(path: str):
+    """Load one of fla's naive.py files without importing the fla package (blocked on CPU)."""
+    file = importlib.metadata.distribution("fla-core").locate_file(path)
+    spec = importlib.util.spec_from_file_location(f"fla_naive_{path.replace('/', '_')}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _inputs(batch, seq_len, heads, k_dim, v_dim, per_channel, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm_div(torch.randn(batch, seq_len, heads, k_dim, generator=gen))
+    k = l2norm_div(torch.randn(batch, seq_len, heads, k_dim, generator=gen))
+    v = torch.randn(batch, seq_len, heads, v_dim, generator=gen)
+    g_shape = (batch, seq_len, heads, k_dim) if per_channel else (batch, seq_len, heads)
+    # a realistic spread: some units forget within a token, some barely at all
+    g = -torch.rand(g_shape, generator=gen).pow(3) * 4
+    beta = torch.rand(batch, seq_len, heads, generator=gen)
+    h0 = torch.randn(batch, heads, k_dim, v_dim, generator=gen)
+    return q, k, v, g, beta, h0
+
+
+def _close(a, b, tol=2e-5):
+    assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("seq_len,chunk", [(1, None), (7, None), (64, None), (77, 16), (130, 32)])
+def test_chunked_matches_recurrence(per_channel, seq_len, chunk):
+    q, k, v, g, beta, h0 = _inputs(2, seq_len, 3, 16, 8, per_channel)
+    o_ref, s_ref = recurrent_delta_rule(q, k, v, g, beta, h0, 16**-0.5)
+    o, s = chunk_delta_rule(q, k, v, g, beta, h0, 16**-0.5, chunk_size=chunk)
+    _close(o, o_ref)
+    _close(s, s_ref)
+
+
+def test_kda_matches_fla_naive_references():
+    naive = _fla_naive("fla/ops/kda/naive.py")
+    q, k, v, g, beta, h0 = _inputs(2, 48, 2, 16, 16, per_channel=True, seed=1)  # naive chunk: T % 16 == 0
+    o_ref, s_ref = naive.naive_recurrent_kda(q, k, v, g, beta, scale=0.25, initial_state=h0,
+                                              output_final_state=True)
+    o, s = chunk_delta_rule(q, k, v, g, beta, h0, 0.25)
+    _close(o, o_ref)
+    _close(s, s_ref)
+    o_chunk, s_chunk = naive.naive_chunk_kda(q, k, v, g, beta, scale=0.25, initial_state=h0,
+                                             output_final_state=True, chunk_size=16)
+    _close(o, o_chunk, tol=1e-4)
+    _close(s, s_chunk, tol=1e-4)
+
+
+def test_gdn_matches_fla_naive_reference():
+    naive = _fla_naive("fla/ops/gated_delta_rule/naive.py")
+    q, k, v, g, beta, h0 = _inputs(2, 50, 2, 16, 8, per_channel=False, seed=2)
+    fn = getattr(naive, "naive_recurrent_gated_delta_rule", None) or naive.naive_recurrent_gdn
+    out = fn(q=q, k=k, v=v, g=g, beta=beta, scale=0.25, initial_state=h0,
+             output_final_state=True)
+    o, s = chunk_delta_rule(q, k, v, g, beta, h0, 0.25)
+    _close(o, out[0])
+    _close(s, out[1])
+
+
+def test_varlen_prefill_then_decode_with_gva():
+    """The device-dispatched interface: two sequences of different lengths in one flat batch, GVA
+    (2 value heads per key head), then one decode step each, against the recurrence."""
+    q, k, v, g, beta, _ = _inputs(1, 23, 4, 8, 8, per_channel=False, seed=3)
+    q, k = q[:, :, :2], k[:, :, :2]  # 2 key heads serve 4 value heads
+    states = torch.randn(2, 4, 8, 8)
+    cu = [0, 9, 22]
+    o, finals = delta_rule_prefill(q[0, :22], k[0, :22], v[0, :22], g[0, :22], beta[0, :22],
+                                   states, cu, 0.3)
+    qe, ke = q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2)
+    for i in range(2):
+        a, b = cu[i], cu[i + 1]
+        o_ref, s_ref = recurrent_delta_rule(qe[:, a:b], ke[:, a:b], v[:, a:b], g[:, a:b],
+                                            beta[:, a:b], states[i : i + 1], 0.3)
+        _close(o[a:b], o_ref[0])
+        _close(finals[i : i + 1], s_ref)
+    t = 22
+    o_dec, new = delta_rule_decode(q[0, [t, t]], k[0, [t, t]], v[0, [t, t]], g[0, [t, t]],
+                                   beta[0, [t, t]], finals, 0.3)
+    o_ref, s_ref = recurrent_step(qe[0, [t, t]], ke[0, [t, t]], v[0, [t, t]], g[0, [t, t]],
+                                  beta[0, [t, t]], finals, 0.3)
+    _close(o_dec, o_ref)
+    _close(new, s_ref)
+
+
+def test_short_conv_prefill_equals_token_steps():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 6, generator=gen)
+    weight = torch.randn(6, 4, generator=gen)
+    state0 = torch.randn(6, 3, generator=gen)
+    out, state = conv_prefill(x, weight, state0)
+    s = state0[None]
+    for t in range(11):
+        y, s = conv_decode(x[t : t + 1], weight, s)
+        _close(out[t], y[0], tol=1e-6)
+    assert torch.equal(state, s[0])
+    # a short sequence keeps part of the old state: (kernel - 1) positions in all
+    _, short = conv_prefill(x[:2], weight, state0)
+    assert torch.equal(short, torch.cat([state0[:, 2:], x[:2].t()], dim=1))

@@ -1,0 +1,70 @@
+"""The runner at TP=1 against transformers on tiny random models of both architectures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_scenarios import check_against_reference, make_runner, run_scenarios
+from tiny_models import make_model
+
+STEPS = 16
+CONFIGS = {
+    # KDA with odd head count, q-LoRA MLA, grouped expert routing, two dense-first layers
+    "kda-odd-heads-qlora": ("kda", dict(linear_attn_config={"num_heads": 3}, q_lora_rank=24,
+                                        num_local_experts=8, n_group=2, topk_group=1,
+                                        first_k_dense_replace=2, num_attention_heads=3,
+                                        num_key_value_heads=3)),
+    "kda-moe": ("kda", dict(num_hidden_layers=5, full_attn_layers=[3])),
+    # GDN with GVA ratio 2, a dense MLP layer among MoE layers, a single KV head
+    "gdn-gva2-mixed-mlp": ("gdn", dict(mlp_only_layers=[1], num_key_value_heads=1)),
+    "gdn-gva3-odd": ("gdn", dict(linear_num_key_heads=1, linear_num_value_heads=3,
+                                 num_attention_heads=3, num_key_value_heads=3,
+                                 num_hidden_layers=3, layer_types=["linear_attention",
+                                 "full_attention", "linear_attention"])),
+}
+
+
+def prompts(vocab: int, lengths=(37, 5, 20), seed=0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_runner_matches_transformers(name, tmp_path):
+    arch, overrides = CONFIGS[name]
+    hf = make_model(arch, tmp_path, seed=len(name), **overrides)
+    runner = make_runner(str(tmp_path))
+    ps = prompts(hf.config.vocab_size)
+    res = run_scenarios(runner, ps, STEPS)
+    check_against_reference(hf, ps, STEPS, res)
+
+
+def test_fresh_request_ignores_stale_slot_state(tmp_path):
+    """A slot reused for a new request (prefix_len 0) must not leak the previous state."""
+    from model_runner.batch import SeqInput
+
+    make_model("kda", tmp_path)
+    runner = make_runner(str(tmp_path))
+    p = prompts(96, (12,))[0]
+    first = runner.forward([SeqInput(p, 0, [0, 1, 2], 1)])
+    runner.state.temporal[:, 1].normal_()
+    runner.state.conv[:, 1].normal_()
+    assert torch.equal(runner.forward([SeqInput(p, 0, [3, 4, 5], 1)]), first)
+
+
+def test_state_api_zero_and_bad_slot(tmp_path):
+    from model_runner.batch import SeqInput
+
+    make_model("gdn", tmp_path)
+    runner = make_runner(str(tmp_path))
+    runner.forward([SeqInput(prompts(96, (9,))[0], 0, [0, 1, 2], 4)])
+    state = runner.read_state(4)
+    assert state.temporal.abs().sum() > 0 and state.conv.abs().sum() > 0
+    conv, temporal = state.layer(0)
+    assert temporal.shape == (4, 16, 16) and conv.shape[-1] == 3  # kernel - 1 positions
+    runner.zero_state(4)
+    assert runner.read_state(4).temporal.abs().sum() == 0
+    with pytest.raises(IndexError):
+        runner.read_state(0)  # reserved
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runner.forward([SeqInput([5, 96], 0, [0], 1)])
