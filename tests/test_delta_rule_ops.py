@@ -56,7 +56,8 @@ def test_chunked_matches_recurrence(per_channel, seq_len, chunk):
 
 def test_kda_matches_fla_naive_references():
     naive = _fla_naive("fla/ops/kda/naive.py")
-    q, k, v, g, beta, h0 = _inputs(2, 48, 2, 16, 16, per_channel=True, seed=1)  # naive chunk: T % 16 == 0
+    # fla's naive chunk form needs T to be a multiple of its chunk size
+    q, k, v, g, beta, h0 = _inputs(2, 48, 2, 16, 16, per_channel=True, seed=1)
     o_ref, s_ref = naive.naive_recurrent_kda(q, k, v, g, beta, scale=0.25, initial_state=h0,
                                               output_final_state=True)
     o, s = chunk_delta_rule(q, k, v, g, beta, h0, 0.25)
