@@ -65,12 +65,12 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 def validate(args: argparse.Namespace) -> list[int]:
     """Everything that can be checked without loading weights; raises with a one-line message."""
     from model_runner.config import ModelConfig
-    from model_runner.loader import check_tp, weight_files
+    from model_runner.loader import check_tp, check_weight_files
 
     model_dir = Path(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     check_tp(cfg, args.tp, str(model_dir / "config.json"))
-    weight_files(model_dir)
+    check_weight_files(model_dir)
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     ids = prompt_ids(args, load_tokenizer(model_dir))
@@ -125,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                *(argv if argv is not None else sys.argv[1:])]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         return subprocess.run(cmd, env=env).returncode
-    run_rank(args, ids)
+    try:
+        run_rank(args, ids)
+    except (ValueError, OSError, RuntimeError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

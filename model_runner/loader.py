@@ -66,6 +66,16 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def check_weight_files(model_dir: Path) -> None:
+    """Open every weight file's header (cheap): catches missing and truncated files early."""
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except SafetensorError as e:
+            raise WeightsError(f"{path}: unreadable safetensors file ({e})") from None
+
+
 def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype,
                 head_order: list[list[int]] | None = None) -> HybridForCausalLM:
     return MODEL_CLASSES[cfg.architecture](cfg, tp, dtype, head_order)
