@@ -1,5 +1,8 @@
 """Tensor parallelism over real torchrun + gloo: TP=2, TP=4 and one 8-rank run, each against
-transformers (prefill logits, 16 greedy decode steps, batched prefill, state round trip)."""
+transformers (prefill logits, 16 greedy decode steps, batched prefill, state round trip).
+
+At TP=2 and TP=4 the first model also runs with linear-attention head bundles permuted across
+ranks (the load-time step of TP-balanced placement): its logits must equal the unpermuted run."""
 
 from __future__ import annotations
 
@@ -8,12 +11,14 @@ import json
 import pytest
 import torch
 from conftest import TESTS
-from runner_scenarios import check_against_reference
+from runner_scenarios import assert_rel_close, check_against_reference
 from test_runner_exact import STEPS, prompts
 from tiny_models import make_model
 
 JOBS = {
-    2: [("kda", dict()), ("gdn", dict()),  # GDN: 2 key heads with GVA ratio 2 -> 1 bundle/rank
+    2: [("gdn", dict(linear_num_key_heads=4, linear_num_value_heads=8)),  # GVA ratio 2
+        ("kda", dict()),
+        ("gdn", dict()),  # 2 key heads -> one bundle per rank
         ("kda", dict(q_lora_rank=24, first_k_dense_replace=2))],
     4: [("kda", dict()),
         ("gdn", dict(linear_num_key_heads=4, linear_num_value_heads=8))],
@@ -31,9 +36,22 @@ def test_tp_matches_transformers(tp, tmp_path, torchrun):
         ps = prompts(hf.config.vocab_size, seed=i)
         refs.append((hf, ps))
         jobs.append({"model_dir": str(model_dir), "prompts": ps, "steps": STEPS})
+    if tp in (2, 4):  # job 0 again, bundles permuted differently in every linear layer
+        num_linear = sum(t == "linear_attention" for t in refs[0][0].config.layer_types)
+        gen = torch.Generator().manual_seed(tp)
+        order = [torch.randperm(4, generator=gen).tolist() for _ in range(num_linear)]
+        jobs.append(dict(jobs[0], head_order=order))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"jobs": jobs}))
     torchrun(tp, TESTS / "tp_worker.py", str(spec), str(tmp_path))
     for i, (hf, ps) in enumerate(refs):
         res = torch.load(tmp_path / f"job{i}.pt")
         check_against_reference(hf, ps, STEPS, res)
+    if tp in (2, 4):
+        plain = torch.load(tmp_path / "job0.pt")
+        permuted = torch.load(tmp_path / f"job{len(refs)}.pt")
+        assert [t.tolist() for t in permuted["tokens"]] == [t.tolist() for t in plain["tokens"]]
+        for key in ("prefill", "decode_logits"):
+            for a, b in zip(permuted[key], plain[key]):
+                assert_rel_close(a, b, rtol=1e-5)
+        assert_rel_close(permuted["roundtrip"], plain["roundtrip"], rtol=1e-5)
