@@ -92,7 +92,7 @@ def chunk_delta_rule(
     """
     per_channel = g.dim() == 4
     if chunk_size is None:
-        chunk_size = 8 if per_channel else 64
+        chunk_size = 16 if per_channel else 64
     batch, seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
     pad = (-seq_len) % chunk_size

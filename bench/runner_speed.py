@@ -1,0 +1,77 @@
+"""Prefill throughput and decode step time of the runner (run as one rank or under torchrun).
+
+    python bench/runner_speed.py [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
+    torchrun --standalone --nproc-per-node 2 bench/runner_speed.py ...
+
+Rank 0 prints one JSON line per measurement (median of --repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from model_runner.batch import SeqInput
+from model_runner.generate import DEFAULT_MODEL
+from model_runner.parallel import init_tp_group, shutdown_tp_group
+from model_runner.runner import ModelRunner, RunnerConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args()
+    tp = init_tp_group(torch.device("cpu"))
+    page = 16
+    max_batch = max(args.decode_batch)
+    per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
+    rc = RunnerConfig(args.model, dtype=args.dtype, num_pages=per_seq * max_batch, page_size=page,
+                      num_state_slots=max_batch + 1)
+    runner = ModelRunner(rc, tp)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max_batch)]
+
+    times = []
+    for _ in range(args.repeats):
+        tp.barrier()
+        start = time.perf_counter()
+        runner.forward([SeqInput(prompt, 0, tables[0], 1)])
+        times.append(time.perf_counter() - start)
+    report(tp, kind="prefill", tp_size=tp.size, tokens=args.prompt_len,
+           seconds=statistics.median(times), tokens_per_s=args.prompt_len / statistics.median(times))
+
+    short = prompt[:64]
+    for batch in args.decode_batch:
+        seqs = [SeqInput(short, 0, tables[i], i + 1) for i in range(batch)]
+        runner.forward(seqs)
+        steps = []
+        for _ in range(args.decode_steps):
+            for s in seqs:
+                s.prefix_len += len(s.token_ids)
+                s.token_ids = [7]
+            tp.barrier()
+            start = time.perf_counter()
+            runner.forward(seqs)
+            steps.append(time.perf_counter() - start)
+        report(tp, kind="decode", tp_size=tp.size, batch=batch,
+               step_ms=1000 * statistics.median(steps))
+    shutdown_tp_group(tp)
+
+
+def report(tp, **fields) -> None:
+    if tp.is_first:
+        print(json.dumps(fields), flush=True)
+
+
+if __name__ == "__main__":
+    main()
