@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from model_runner.launch import is_first_rank, is_rank_process, relaunch
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "kimi-linear-tiny"
 
@@ -119,16 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.tp > 1 and "WORLD_SIZE" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.tp}", "-m", "model_runner.generate",
-               *(argv if argv is not None else sys.argv[1:])]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        return subprocess.run(cmd, env=env).returncode
+    if args.tp > 1 and not is_rank_process():
+        return relaunch(args.tp, "model_runner.generate",
+                        argv if argv is not None else sys.argv[1:])
     try:
         run_rank(args, ids)
     except (ValueError, OSError, RuntimeError) as e:
-        if os.environ.get("RANK", "0") == "0":
+        if is_first_rank():
             print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

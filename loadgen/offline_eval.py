@@ -1,0 +1,195 @@
+"""``dasc-eval``: task-suite accuracy through dasc's runner, with the cached-prefix protocol.
+
+Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to
+what the cache would hold (nothing for ``dense``; for the Table 1(a) interventions zero the
+context's full-attention KV rows, the linear-attention state, or both), then prefill the
+question suffix on top and decode greedily until a newline.  Instances run in batches; every TP
+rank runs the same loop and rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loadgen.tasks import LENGTHS, TASKS, TaskInstance, make_instances, score_instance
+from model_runner.batch import SeqInput
+from model_runner.launch import is_first_rank, is_rank_process, relaunch
+from model_runner.runner import ModelRunner
+
+INTERVENTIONS = ("baseline", "zero-full-kv", "zero-linear", "zero-both")
+NEWLINE = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    arm: str
+    task: str
+    length: int
+    accuracy: float
+    n: int
+
+
+def apply_intervention(runner: ModelRunner, seqs: list[SeqInput], kind: str) -> None:
+    """Zero what the cache holds for each sequence's prefix [0, prefix_len)."""
+    if kind in ("zero-full-kv", "zero-both"):
+        page = runner.rc.page_size
+        for s in seqs:
+            pos = torch.arange(s.prefix_len)
+            pages = torch.tensor(s.page_table)[pos // page]
+            rows = (pages * page + pos % page).to(runner.device)
+            for cache in runner.kv.caches:
+                cache[rows] = 0
+    if kind in ("zero-linear", "zero-both"):
+        for s in seqs:
+            runner.zero_state(s.state_slot)
+
+
+def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, kind: str
+              ) -> list[str]:
+    """Context prefill -> intervention -> question prefill -> greedy decode to a newline."""
+    spec = TASKS[insts[0].task]
+    page = runner.rc.page_size
+    seqs, free = [], list(range(runner.rc.num_pages))
+    for i, inst in enumerate(insts):
+        ctx, question = encode(inst.context), encode(inst.question)
+        pages = [free.pop() for _ in range(-(-(len(ctx) + len(question) + spec.max_new_tokens)
+                                             // page))]
+        seqs.append((SeqInput(ctx, 0, pages, i + 1), question))
+    runner.forward([s for s, _ in seqs])
+    steps = []
+    for s, question in seqs:
+        s.prefix_len, s.token_ids = len(s.token_ids), question
+        steps.append(s)
+    apply_intervention(runner, steps, kind)
+    tokens = runner.forward(steps).argmax(-1).tolist()
+    outputs = [[t] for t in tokens]
+    active = [i for i, t in enumerate(tokens) if t != NEWLINE]
+    for _ in range(spec.max_new_tokens - 1):
+        if not active:
+            break
+        for i in active:
+            steps[i].prefix_len += len(steps[i].token_ids)
+            steps[i].token_ids = [outputs[i][-1]]
+        tokens = runner.forward([steps[i] for i in active]).argmax(-1).tolist()
+        for i, t in zip(active, tokens):
+            outputs[i].append(t)
+        active = [i for i, t in zip(active, tokens) if t != NEWLINE]
+    return [decode(o) for o in outputs]
+
+
+def evaluate(runner: ModelRunner, tasks: list[str], lengths: list[int], n: int, seed: int,
+             kind: str, batch: int, tokenizer) -> list[Result]:
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids)
+
+    arm = "dense" if kind == "baseline" else kind
+    results = []
+    for length in lengths:
+        for task in tasks:
+            insts = make_instances(task, length, n, seed)
+            scores = []
+            for start in range(0, n, batch):
+                group = insts[start : start + batch]
+                texts = run_group(runner, group, encode, decode, kind)
+                scores += [score_instance(inst, t) for inst, t in zip(group, texts)]
+            results.append(Result(arm, task, length, sum(scores) / len(scores), len(scores)))
+    return results
+
+
+def markdown_table(results: list[Result], tasks: list[str]) -> str:
+    """Rows in the shape of the paper's Table 2: arm, length, one column per subtask, average."""
+    head = "| Arm | Len | " + " | ".join(t.upper() for t in tasks) + " | Avg |"
+    lines = [head, "|" + "---|" * (len(tasks) + 3)]
+    keys = sorted({(r.arm, r.length) for r in results}, key=lambda k: (k[0] != "dense", k))
+    for arm, length in keys:
+        acc = {r.task: r.accuracy for r in results if r.arm == arm and r.length == length}
+        cells = [f"{acc[t]:.2f}" for t in tasks]
+        avg = sum(acc[t] for t in tasks) / len(tasks)
+        lines.append(f"| {arm} | {length} | " + " | ".join(cells) + f" | {avg:.2f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from model_runner.generate import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(
+        prog="dasc-eval", description="Per-subtask accuracy of a model on dasc's RULER-style task "
+        "suite, answering each question on top of a cached context prefix.")
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder (default: built-in)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--tasks", default="all", help=f"comma list from {','.join(TASKS)} or 'all'")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--n", type=int, default=10, help="instances per (task, length)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="3 instances per task, shortest length")
+    p.add_argument("--intervention", choices=INTERVENTIONS, nargs="+", default=["baseline"],
+                   help="cache interventions (paper Table 1(a)); baseline is the dense arm")
+    p.add_argument("--batch", type=int, default=8, help="instances per batch")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON line per (arm, task, length) instead of a table")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.lengths = 3, [min(args.lengths)]
+    args.task_list = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    unknown = [t for t in args.task_list if t not in TASKS]
+    if unknown or args.n < 1:
+        print(f"error: unknown task {unknown[0]!r}" if unknown else "error: --n must be >= 1",
+              file=sys.stderr)
+        return 2
+    if args.tp > 1 and not is_rank_process():
+        return relaunch(args.tp, "loadgen.offline_eval",
+                        argv if argv is not None else sys.argv[1:])
+    try:
+        results = run(args)
+    except (ValueError, OSError, KeyError) as e:
+        if is_first_rank():
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    if is_first_rank():
+        if args.json:
+            for r in results:
+                print(json.dumps({"arm": r.arm, "task": r.task, "length": r.length,
+                                  "accuracy": r.accuracy, "n": r.n}))
+        else:
+            print(markdown_table(results, args.task_list))
+    return 0
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    from transformers import AutoTokenizer
+
+    from model_runner.parallel import init_tp_group, shutdown_tp_group
+    from model_runner.runner import RunnerConfig
+
+    tp = init_tp_group(torch.device("cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    page = 16
+    per_seq = -(-(max(args.lengths) + 64) // page)
+    rc = RunnerConfig(str(Path(args.model)), dtype=args.dtype, num_pages=per_seq * args.batch,
+                      page_size=page, num_state_slots=args.batch + 1)
+    runner = ModelRunner(rc, tp)
+    results = []
+    for kind in args.intervention:
+        results += evaluate(runner, args.task_list, args.lengths, args.n, args.seed, kind,
+                            args.batch, tokenizer)
+    shutdown_tp_group(tp)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

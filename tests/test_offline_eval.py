@@ -1,0 +1,90 @@
+"""dasc-eval: the quick run on the shipped model, and the Table 1(a) intervention wiring."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from runner_scenarios import make_runner
+from tiny_models import make_model
+
+from loadgen.offline_eval import Result, apply_intervention, markdown_table
+from loadgen.tasks import TASKS
+from model_runner.batch import SeqInput
+
+
+def test_quick_eval_on_shipped_model():
+    proc = subprocess.run([sys.executable, "-m", "loadgen.offline_eval", "--quick", "--json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["task"] for r in rows] == list(TASKS)
+    for r in rows:
+        assert r["arm"] == "dense" and r["length"] == 512 and r["n"] == 3
+        assert 0.0 <= r["accuracy"] <= 1.0
+
+
+def test_unknown_task_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "loadgen.offline_eval", "--tasks", "s9"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "unknown task 's9'" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    path = tmp_path_factory.mktemp("eval") / "model"
+    make_model("kda", path)
+    return make_runner(str(path))
+
+
+def _prefill(runner, context, question):
+    seq = SeqInput(context, 0, list(range(10)), 1)
+    runner.forward([seq])
+    seq.prefix_len, seq.token_ids = len(context), question
+    return seq
+
+
+@pytest.mark.parametrize("kind", ["baseline", "zero-full-kv", "zero-linear", "zero-both"])
+def test_intervention_zeroes_exactly_what_it_says(runner, kind):
+    context, question = list(range(3, 30)), [40, 41, 42]
+    seq = _prefill(runner, context, question)
+    kv_before = [c.clone() for c in runner.kv.caches]
+    state_before = runner.read_state(1)
+    apply_intervention(runner, [seq], kind)
+    prefix_rows = torch.tensor([p * 4 + o for p in range(10) for o in range(4)])[: len(context)]
+    other_rows = torch.arange(runner.kv.caches[0].shape[0])
+    other_rows = other_rows[~torch.isin(other_rows, prefix_rows)]
+    for before, after in zip(kv_before, runner.kv.caches):
+        assert torch.equal(after[other_rows], before[other_rows])
+        if kind in ("zero-full-kv", "zero-both"):
+            assert after[prefix_rows].abs().sum() == 0 and before[prefix_rows].abs().sum() > 0
+        else:
+            assert torch.equal(after[prefix_rows], before[prefix_rows])
+    state = runner.read_state(1)
+    if kind in ("zero-linear", "zero-both"):
+        assert state.temporal.abs().sum() == 0 and state.conv.abs().sum() == 0
+    else:
+        assert torch.equal(state.temporal, state_before.temporal)
+        assert torch.equal(state.conv, state_before.conv)
+
+
+def test_each_cache_component_changes_the_answer_logits(runner):
+    context, question = list(range(3, 30)), [40, 41, 42]
+    logits = {}
+    for kind in ("baseline", "zero-full-kv", "zero-linear"):
+        seq = _prefill(runner, context, question)
+        apply_intervention(runner, [seq], kind)
+        logits[kind] = runner.forward([seq])
+    assert not torch.allclose(logits["baseline"], logits["zero-full-kv"])
+    assert not torch.allclose(logits["baseline"], logits["zero-linear"])
+
+
+def test_markdown_table_shape():
+    rows = [Result("dense", "s1", 512, 1.0, 3), Result("dense", "vt", 512, 0.5, 3)]
+    table = markdown_table(rows, ["s1", "vt"]).splitlines()
+    assert table[0] == "| Arm | Len | S1 | VT | Avg |"
+    assert table[2] == "| dense | 512 | 1.00 | 0.50 | 0.75 |"
