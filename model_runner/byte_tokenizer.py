@@ -5,6 +5,8 @@ tokenizer: ``list(text.encode())`` is the encoding.  Three specials follow: ``<p
 ``<bos>`` = 257, ``<eos>`` = 258.  Nothing is added automatically: ``encode`` never prepends
 ``<bos>`` nor appends ``<eos>`` (the tiny models are trained without a BOS), and decoding does
 no whitespace clean-up, so ``decode(encode(text)) == text`` for every valid UTF-8 string.
+Special tokens are never parsed out of text (``split_special_tokens``): the string "<eos>" is
+five byte tokens, so the ids of any text are exactly its bytes; specials enter only as ids.
 
 ``write_byte_tokenizer(model_dir)`` writes tokenizer.json, tokenizer_config.json and
 special_tokens_map.json; ``transformers.AutoTokenizer.from_pretrained(model_dir)`` then loads a
@@ -93,6 +95,7 @@ def write_byte_tokenizer(model_dir: str | Path) -> Path:
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,  # "<eos>" typed in text stays five bytes
         "model_max_length": MODEL_MAX_LENGTH,
         "added_tokens_decoder": added,
     }
