@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner_scenarios import check_against_reference, make_runner, run_scenarios
+from runner_scenarios import (
+    check_against_reference,
+    make_runner,
+    reference_logits,
+    run_scenarios,
+)
 from tiny_models import make_model
 
 STEPS = 16
@@ -68,3 +73,26 @@ def test_state_api_zero_and_bad_slot(tmp_path):
         runner.read_state(0)  # reserved
     with pytest.raises(ValueError, match="outside the vocabulary"):
         runner.forward([SeqInput([5, 96], 0, [0], 1)])
+
+
+def test_sharded_checkpoint_and_bf16(tmp_path):
+    """A checkpoint split into several files with an index loads identically; bf16 loads too."""
+    from model_runner.batch import SeqInput
+
+    hf = make_model("gdn", tmp_path / "one")
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="60KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    p = prompts(96, (21,))[0]
+    outs = {}
+    for name, dtype in (("one", "float32"), ("sharded", "float32"), ("sharded", "bfloat16")):
+        from model_runner.runner import ModelRunner, RunnerConfig
+
+        runner = ModelRunner(RunnerConfig(str(tmp_path / name), dtype=dtype, num_pages=8,
+                                          page_size=4, num_state_slots=2))
+        outs[name, dtype] = runner.forward([SeqInput(p, 0, list(range(6)), 1)], all_logits=True)
+    assert torch.equal(outs["one", "float32"], outs["sharded", "float32"])
+    # bf16 against transformers in bf16: a few bf16 ulps at the logit scale
+    ref = reference_logits(hf.to(torch.bfloat16), p)
+    bf16 = outs["sharded", "bfloat16"]
+    assert bf16.dtype == torch.float32 and (bf16 - ref).abs().max() < 0.05 * ref.abs().max()

@@ -109,6 +109,7 @@ class CheckpointPool:
         k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.unit_dim = cfg.unit_numel  # D
         self.rows_per_unit = 1 if cfg.is_kda else k  # scale rows (over V) per unit
+        self.unit_rows = (self.rows_per_unit, v)  # one unit [D] seen as [rpu, V]
         self.index = build_unit_index(
             local_masks(plan, cfg, order, tp_rank, tp_size), fmt.layout, self.device
         )
@@ -147,6 +148,7 @@ class CheckpointPool:
               dst_slots: torch.Tensor) -> None:
         """Active slots src_slots [B] -> checkpoint slots dst_slots [B] (distinct)."""
         pool = self._unit_view(temporal)  # [L, S, U_loc, D]
+        self._check_conv(conv)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         self.conv[:, dst] = conv[:, src].to(self.conv.dtype)
         idx = self.index
@@ -160,9 +162,11 @@ class CheckpointPool:
         if self.scale is None:
             self.temporal[dst] = self._balance_out(packed)
             return
-        q, s = quantize_int8(packed.view(num_reqs, idx.num_rows, self.rows_per_unit, -1))
-        rows = _to_bytes(q.view(num_reqs, idx.num_rows, -1), s)  # [B, R, D + 4*rpu] uint8
-        q, s = _from_bytes(self._balance_out(rows), self.unit_dim, self.rows_per_unit)
+        q, s = quantize_int8(packed.view(num_reqs, idx.num_rows, *self.unit_rows))
+        q = q.view(num_reqs, idx.num_rows, self.unit_dim)  # [B, R, D] int8; s [B, R, rpu]
+        if self.balance is not None:  # payload and scales travel together as byte rows
+            q, s = _from_bytes(self._balance_out(_to_bytes(q, s)), self.unit_dim,
+                               self.rows_per_unit)
         self.temporal[dst], self.scale[dst] = q, s
 
     def load(self, temporal: torch.Tensor, conv: torch.Tensor, src_slots: torch.Tensor,
@@ -173,6 +177,7 @@ class CheckpointPool:
         conv state is restored whole.
         """
         pool = self._unit_view(temporal)  # [L, S, U_loc, D]
+        self._check_conv(conv)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         conv[:, dst] = self.conv[:, src].to(conv.dtype)
         idx = self.index
@@ -183,11 +188,12 @@ class CheckpointPool:
         if self.scale is None:
             packed = self._balance_in(self.temporal[src])  # [B, R, D]
         else:
-            rows = self._balance_in(_to_bytes(self.temporal[src], self.scale[src]))
-            q, s = _from_bytes(rows, self.unit_dim, self.rows_per_unit)
-            packed = dequantize_int8(
-                q.view(num_reqs, idx.num_rows, self.rows_per_unit, -1), s
-            ).view(num_reqs, idx.num_rows, self.unit_dim)
+            q, s = self.temporal[src], self.scale[src]
+            if self.balance is not None:
+                q, s = _from_bytes(self._balance_in(_to_bytes(q, s)), self.unit_dim,
+                                   self.rows_per_unit)
+            q = q.view(num_reqs, idx.num_rows, *self.unit_rows)  # [B, R, rpu, V]
+            packed = dequantize_int8(q, s).view(num_reqs, idx.num_rows, self.unit_dim)
         scatter_units(packed, torch.arange(num_reqs, device=self.device), idx.unit_pos, pool, dst)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -203,6 +209,12 @@ class CheckpointPool:
             return temporal.view(num_layers, slots, heads_loc * k, v)
         return temporal.view(num_layers, slots, heads_loc, k * v)
 
+    def _check_conv(self, conv: torch.Tensor) -> None:
+        want = (self.conv.shape[0], self.conv.shape[2], self.conv.shape[3])
+        if conv.dim() != 4 or (conv.shape[0], conv.shape[2], conv.shape[3]) != want:
+            raise ValueError(f"active conv state must be [{want[0]}, S, {want[1]}, {want[2]}], "
+                             f"got {tuple(conv.shape)}")
+
     def _balance_out(self, packed: torch.Tensor) -> torch.Tensor:
         if self.balance is None:
             return packed
@@ -216,13 +228,20 @@ class CheckpointPool:
 
 def _to_bytes(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 q [B, R, D] + fp32 scale [B, R, rpu] -> one uint8 row [B, R, D + 4*rpu] per unit."""
-    scale_bytes = scale.contiguous().view(torch.uint8)  # [B, R, 4*rpu]
-    return torch.cat([q.contiguous().view(torch.uint8), scale_bytes], dim=-1)
+    num_reqs, num_rows, unit_dim = q.shape
+    rows = q.new_empty(num_reqs, num_rows, unit_dim + 4 * scale.shape[-1], dtype=torch.uint8)
+    if rows.numel():  # dtype views refuse the zero strides of empty tensors
+        rows[..., :unit_dim] = q.view(torch.uint8)
+        rows[..., unit_dim:] = scale.contiguous().view(torch.uint8)
+    return rows
 
 
 def _from_bytes(rows: torch.Tensor, unit_dim: int, rows_per_unit: int):
     """Inverse of `_to_bytes`: uint8 [B, R, D + 4*rpu] -> (int8 [B, R, D], fp32 [B, R, rpu])."""
+    num_reqs, num_rows, _ = rows.shape
+    if rows.numel() == 0:
+        return (rows.new_empty(num_reqs, num_rows, unit_dim, dtype=torch.int8),
+                rows.new_empty(num_reqs, num_rows, rows_per_unit, dtype=torch.float32))
     q = rows[..., :unit_dim].contiguous().view(torch.int8)
     s = rows[..., unit_dim:].contiguous().view(torch.float32)
-    assert s.shape[-1] == rows_per_unit
     return q, s

@@ -3,7 +3,8 @@
 A plan is small, immutable and JSON-serialisable; the scheduler and every TP rank load the same
 file. `retained[l]` lists the kept (global) unit ids of linear layer l in increasing order; unit
 numbering is the one of `horizons.py`. Per layer l of n units, r_l = len(retained[l]) and the
-omitted (local) units are [0, n) minus retained[l].
+omitted (local) units are [0, n) minus retained[l]. In JSON each layer is one hex integer whose
+bit u is set iff unit u is kept ("retained_bits"), so a Kimi-Linear plan stays around 20 KB.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class SelectionPlan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["identity"]["linear_layer_ids"] = list(self.identity.linear_layer_ids)
-        d["retained"] = [list(u) for u in self.retained]
+        del d["retained"]
+        d["retained_bits"] = [format(sum(1 << u for u in units), "x") for units in self.retained]
         return {"format": PLAN_FORMAT, **d}
 
     @classmethod
@@ -160,7 +162,7 @@ class SelectionPlan:
                 identity=ModelIdentity(**ident),
                 selector=raw["selector"],
                 w_max=float(raw["w_max"]),
-                retained=tuple(tuple(int(u) for u in layer) for layer in raw["retained"]),
+                retained=tuple(_bits_to_units(b) for b in raw["retained_bits"]),
                 refresh_window=int(raw["refresh_window"]),
                 gate_input=float(raw["gate_input"]),
                 eps=float(raw["eps"]),
@@ -181,6 +183,11 @@ class SelectionPlan:
         except (OSError, json.JSONDecodeError) as e:
             raise PlanError(f"{path}: cannot read plan ({e})") from None
         return cls.from_dict(raw)
+
+
+def _bits_to_units(bits: str) -> tuple[int, ...]:
+    value = int(bits, 16)
+    return tuple(u for u in range(value.bit_length()) if value >> u & 1)
 
 
 def _short(value) -> str:
