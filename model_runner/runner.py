@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 
 from model_runner.batch import SeqInput, build_batch
+from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
+from model_runner.compression.plan import ModelIdentity, SelectionPlan
+from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.loader import build_model, check_tp, load_weights
 from model_runner.models.common import StepContext
@@ -42,7 +45,8 @@ class RunnerConfig:
 class ModelRunner:
     def __init__(self, rc: RunnerConfig, tp: TPGroup | None = None,
                  head_order: list[list[int]] | None = None):
-        self.rc, self.tp = rc, tp or TPGroup()
+        self.rc, self.tp, self.head_order = rc, tp or TPGroup(), head_order
+        self.checkpoints: CheckpointPool | None = None
         self.device = torch.device(rc.device)
         model_dir = Path(rc.model_dir)
         self.cfg = cfg = ModelConfig.from_dir(model_dir)
@@ -97,3 +101,26 @@ class ModelRunner:
 
     def zero_state(self, slot: int) -> None:
         self.state.zero(slot)
+
+    # Compressed checkpoints (dasc): a plan checked against these weights, a pool of slots.
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity.of(self.cfg, load_decay_params(self.rc.model_dir, self.cfg))
+
+    def attach_checkpoints(self, plan: SelectionPlan, num_slots: int,
+                           fmt: CheckpointFormat | None = None) -> CheckpointPool:
+        """Allocate the checkpoint pool; the plan must match this model (checked first)."""
+        self.checkpoints = CheckpointPool(
+            self.cfg, plan, num_slots, fmt, tp_rank=self.tp.rank, tp_size=self.tp.size,
+            head_order=self.head_order, conv_dtype=self.state.conv.dtype, device=self.device,
+            identity=self.identity())
+        return self.checkpoints
+
+    def store_checkpoints(self, active_slots: list[int], ckpt_slots: list[int]) -> None:
+        """Active state -> checkpoint slots (select, pack, quantise, balance)."""
+        self.checkpoints.store(self.state.temporal, self.state.conv,
+                               torch.tensor(active_slots), torch.tensor(ckpt_slots))
+
+    def load_checkpoints(self, ckpt_slots: list[int], active_slots: list[int]) -> None:
+        """Checkpoint slots -> active state; omitted units are zero-filled (dasc-nr)."""
+        self.checkpoints.load(self.state.temporal, self.state.conv,
+                              torch.tensor(ckpt_slots), torch.tensor(active_slots))
