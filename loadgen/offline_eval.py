@@ -1,10 +1,13 @@
 """``dasc-eval``: task-suite accuracy through dasc's runner, with the cached-prefix protocol.
 
 Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to
-what the cache would hold (nothing for ``dense``; for the Table 1(a) interventions zero the
-context's full-attention KV rows, the linear-attention state, or both), then prefill the
-question suffix on top and decode greedily until a newline.  Instances run in batches; every TP
-rank runs the same loop and rank 0 prints.
+what the cache would hold, then prefill the question suffix on top and decode greedily until a
+newline.  Arms: ``dense`` (nothing), ``nr@W`` (store the prefix state as a dasc checkpoint at
+W_max = W and load it back: omitted units zero-filled), ``nr-int8@W`` (same, INT8 payload),
+``random@W`` (count-matched random selection, seed 1234), and the Table 1(a) interventions
+``zero-full-kv``, ``zero-linear``, ``zero-both`` (zero the context's full-attention KV rows,
+the linear-attention state, or both).  Instances run in batches; every TP rank runs the same
+loop and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from model_runner.batch import SeqInput
 from model_runner.launch import is_first_rank, is_rank_process, relaunch
 from model_runner.runner import ModelRunner
 
-INTERVENTIONS = ("baseline", "zero-full-kv", "zero-linear", "zero-both")
+INTERVENTIONS = ("zero-full-kv", "zero-linear", "zero-both")
+COMPRESSED = ("nr", "nr-int8", "random")
+RANDOM_SEED = 1234
 NEWLINE = 10
 
 
@@ -33,6 +38,52 @@ class Result:
     length: int
     accuracy: float
     n: int
+
+
+def parse_arm(arm: str) -> tuple[str, float]:
+    """"dense" | intervention | "<kind>@<W_max>" -> (kind, W_max)."""
+    if arm == "dense" or arm in INTERVENTIONS:
+        return arm, 0.0
+    kind, _, w = arm.partition("@")
+    try:
+        w_max = float(w)
+    except ValueError:
+        w_max = -1.0
+    if kind not in COMPRESSED or w_max <= 0:
+        raise ValueError(f"unknown arm {arm!r}: use dense, {', '.join(INTERVENTIONS)} or "
+                         f"{'|'.join(COMPRESSED)}@W_MAX (e.g. nr@16)")
+    return kind, w_max
+
+
+def prepare_arm(runner: ModelRunner, arm: str, batch: int) -> None:
+    """Attach the checkpoint pool a compressed arm stores through."""
+    from model_runner.compression.checkpoint import CheckpointFormat
+    from model_runner.compression.horizons import static_horizons
+    from model_runner.compression.plan import dasc_plan, random_plan
+    from model_runner.compression.weights import load_decay_params
+
+    kind, w_max = parse_arm(arm)
+    if kind not in COMPRESSED:
+        return
+    horizons = static_horizons(runner.cfg, load_decay_params(runner.rc.model_dir, runner.cfg))
+    plan = dasc_plan(runner.identity(), horizons, w_max)
+    if kind == "random":
+        plan = random_plan(plan, horizons, RANDOM_SEED)
+    payload = "int8" if kind == "nr-int8" else "fp32"
+    runner.attach_checkpoints(plan, batch, CheckpointFormat(payload=payload))
+
+
+def apply_arm(runner: ModelRunner, seqs: list[SeqInput], arm: str) -> None:
+    """What a cache hit on each sequence's prefix [0, prefix_len) would restore."""
+    kind, _ = parse_arm(arm)
+    if kind in COMPRESSED:
+        slots = [s.state_slot for s in seqs]
+        ckpt = list(range(len(seqs)))
+        runner.store_checkpoints(slots, ckpt)
+        runner.zero_state_slots(slots)
+        runner.load_checkpoints(ckpt, slots)
+    else:
+        apply_intervention(runner, seqs, kind)
 
 
 def apply_intervention(runner: ModelRunner, seqs: list[SeqInput], kind: str) -> None:
@@ -50,7 +101,7 @@ def apply_intervention(runner: ModelRunner, seqs: list[SeqInput], kind: str) -> 
             runner.zero_state(s.state_slot)
 
 
-def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, kind: str
+def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, arm: str
               ) -> list[str]:
     """Context prefill -> intervention -> question prefill -> greedy decode to a newline."""
     spec = TASKS[insts[0].task]
@@ -66,7 +117,7 @@ def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, ki
     for s, question in seqs:
         s.prefix_len, s.token_ids = len(s.token_ids), question
         steps.append(s)
-    apply_intervention(runner, steps, kind)
+    apply_arm(runner, steps, arm)
     tokens = runner.forward(steps).argmax(-1).tolist()
     outputs = [[t] for t in tokens]
     active = [i for i, t in enumerate(tokens) if t != NEWLINE]
@@ -84,14 +135,13 @@ def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, ki
 
 
 def evaluate(runner: ModelRunner, tasks: list[str], lengths: list[int], n: int, seed: int,
-             kind: str, batch: int, tokenizer) -> list[Result]:
+             arm: str, batch: int, tokenizer) -> list[Result]:
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids)
 
-    arm = "dense" if kind == "baseline" else kind
     results = []
     for length in lengths:
         for task in tasks:
@@ -99,7 +149,7 @@ def evaluate(runner: ModelRunner, tasks: list[str], lengths: list[int], n: int, 
             scores = []
             for start in range(0, n, batch):
                 group = insts[start : start + batch]
-                texts = run_group(runner, group, encode, decode, kind)
+                texts = run_group(runner, group, encode, decode, arm)
                 scores += [score_instance(inst, t) for inst, t in zip(group, texts)]
             results.append(Result(arm, task, length, sum(scores) / len(scores), len(scores)))
     return results
@@ -131,8 +181,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=10, help="instances per (task, length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 instances per task, shortest length")
-    p.add_argument("--intervention", choices=INTERVENTIONS, nargs="+", default=["baseline"],
-                   help="cache interventions (paper Table 1(a)); baseline is the dense arm")
+    p.add_argument("--arms", nargs="+", default=["dense"],
+                   help="dense | nr@W | nr-int8@W | random@W | zero-full-kv | zero-linear | "
+                        "zero-both (paper Table 1(a) interventions); default: dense")
     p.add_argument("--batch", type=int, default=8, help="instances per batch")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per (arm, task, length) instead of a table")
@@ -147,6 +198,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     unknown = [t for t in args.task_list if t not in TASKS]
+    try:
+        for arm in args.arms:
+            parse_arm(arm)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if unknown or args.n < 1:
         print(f"error: unknown task {unknown[0]!r}" if unknown else "error: --n must be >= 1",
               file=sys.stderr)
@@ -184,8 +241,9 @@ def run(args: argparse.Namespace) -> list[Result]:
                       page_size=page, num_state_slots=args.batch + 1)
     runner = ModelRunner(rc, tp)
     results = []
-    for kind in args.intervention:
-        results += evaluate(runner, args.task_list, args.lengths, args.n, args.seed, kind,
+    for arm in args.arms:
+        prepare_arm(runner, arm, args.batch)
+        results += evaluate(runner, args.task_list, args.lengths, args.n, args.seed, arm,
                             args.batch, tokenizer)
     shutdown_tp_group(tp)
     return results

@@ -102,6 +102,9 @@ class ModelRunner:
     def zero_state(self, slot: int) -> None:
         self.state.zero(slot)
 
+    def zero_state_slots(self, slots: list[int]) -> None:
+        self.state.zero(torch.tensor(slots, device=self.device))
+
     # Compressed checkpoints (dasc): a plan checked against these weights, a pool of slots.
     def identity(self) -> ModelIdentity:
         return ModelIdentity.of(self.cfg, load_decay_params(self.rc.model_dir, self.cfg))

@@ -12,7 +12,7 @@ from conftest import ROOT
 from runner_scenarios import make_runner
 from tiny_models import make_model
 
-from loadgen.offline_eval import Result, apply_intervention, markdown_table
+from loadgen.offline_eval import Result, apply_arm, markdown_table, prepare_arm
 from loadgen.tasks import TASKS
 from model_runner.batch import SeqInput
 
@@ -48,13 +48,13 @@ def _prefill(runner, context, question):
     return seq
 
 
-@pytest.mark.parametrize("kind", ["baseline", "zero-full-kv", "zero-linear", "zero-both"])
+@pytest.mark.parametrize("kind", ["dense", "zero-full-kv", "zero-linear", "zero-both"])
 def test_intervention_zeroes_exactly_what_it_says(runner, kind):
     context, question = list(range(3, 30)), [40, 41, 42]
     seq = _prefill(runner, context, question)
     kv_before = [c.clone() for c in runner.kv.caches]
     state_before = runner.read_state(1)
-    apply_intervention(runner, [seq], kind)
+    apply_arm(runner, [seq], kind)
     prefix_rows = torch.tensor([p * 4 + o for p in range(10) for o in range(4)])[: len(context)]
     other_rows = torch.arange(runner.kv.caches[0].shape[0])
     other_rows = other_rows[~torch.isin(other_rows, prefix_rows)]
@@ -75,12 +75,12 @@ def test_intervention_zeroes_exactly_what_it_says(runner, kind):
 def test_each_cache_component_changes_the_answer_logits(runner):
     context, question = list(range(3, 30)), [40, 41, 42]
     logits = {}
-    for kind in ("baseline", "zero-full-kv", "zero-linear"):
+    for kind in ("dense", "zero-full-kv", "zero-linear"):
         seq = _prefill(runner, context, question)
-        apply_intervention(runner, [seq], kind)
+        apply_arm(runner, [seq], kind)
         logits[kind] = runner.forward([seq])
-    assert not torch.allclose(logits["baseline"], logits["zero-full-kv"])
-    assert not torch.allclose(logits["baseline"], logits["zero-linear"])
+    assert not torch.allclose(logits["dense"], logits["zero-full-kv"])
+    assert not torch.allclose(logits["dense"], logits["zero-linear"])
 
 
 def test_markdown_table_shape():
@@ -88,3 +88,24 @@ def test_markdown_table_shape():
     table = markdown_table(rows, ["s1", "vt"]).splitlines()
     assert table[0] == "| Arm | Len | S1 | VT | Avg |"
     assert table[2] == "| dense | 512 | 1.00 | 0.50 | 0.75 |"
+
+
+def test_compressed_arm_zero_fills_omitted_units(runner):
+    """nr@W stores the prefix state through a dasc checkpoint and loads it back: retained units
+    are exact, omitted ones zero, so the state changes exactly where the plan omits."""
+    prepare_arm(runner, "nr@32", batch=2)
+    seq = _prefill(runner, list(range(3, 30)), [40, 41])
+    before = runner.read_state(1).temporal
+    apply_arm(runner, [seq], "nr@32")
+    after = runner.read_state(1).temporal
+    d = runner.cfg.unit_numel
+    b, a = before.reshape(before.shape[0], -1, d), after.reshape(after.shape[0], -1, d)
+    kept = runner.checkpoints.plan.mask()  # [L, units] (TP=1: local = global units)
+    assert torch.equal(a[kept], b[kept])
+    assert (~kept).any() and a[~kept].abs().sum() == 0
+
+
+def test_bad_arm_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "loadgen.offline_eval", "--arms", "nr@-3"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "unknown arm 'nr@-3'" in proc.stderr
