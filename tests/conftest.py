@@ -14,6 +14,11 @@ from pathlib import Path
 sys.modules.setdefault("fla", None)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The tiny models issue thousands of small ops; with several threads on 2 shared cores the
+# OpenMP barriers cost more than the work (torchrun ranks get OMP_NUM_THREADS=1 the same way).
+torch.set_num_threads(1)
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
