@@ -3,7 +3,8 @@
 Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to
 what the cache would hold, then prefill the question suffix on top and decode greedily until a
 newline.  Arms: ``dense`` (nothing), ``nr@W`` (store the prefix state as a dasc checkpoint at
-W_max = W and load it back: omitted units zero-filled), ``nr-int8@W`` (same, INT8 payload),
+W_max = W and load it back: omitted units zero-filled), ``wr@W`` (nr, then the omitted units
+are refreshed by replaying the last W_wr context tokens), ``nr-int8@W`` (INT8 payload),
 ``random@W`` (count-matched random selection, seed 1234), and the Table 1(a) interventions
 ``zero-full-kv``, ``zero-linear``, ``zero-both`` (zero the context's full-attention KV rows,
 the linear-attention state, or both).  Instances run in batches; every TP rank runs the same
@@ -26,7 +27,7 @@ from model_runner.launch import is_first_rank, is_rank_process, relaunch
 from model_runner.runner import ModelRunner
 
 INTERVENTIONS = ("zero-full-kv", "zero-linear", "zero-both")
-COMPRESSED = ("nr", "nr-int8", "random")
+COMPRESSED = ("nr", "wr", "nr-int8", "random")
 RANDOM_SEED = 1234
 NEWLINE = 10
 
@@ -73,8 +74,10 @@ def prepare_arm(runner: ModelRunner, arm: str, batch: int) -> None:
     runner.attach_checkpoints(plan, batch, CheckpointFormat(payload=payload))
 
 
-def apply_arm(runner: ModelRunner, seqs: list[SeqInput], arm: str) -> None:
-    """What a cache hit on each sequence's prefix [0, prefix_len) would restore."""
+def apply_arm(runner: ModelRunner, seqs: list[SeqInput], arm: str,
+              contexts: list[list[int]] | None = None) -> None:
+    """What a cache hit on each sequence's prefix [0, prefix_len) would restore.  ``wr`` needs
+    the context ids and as many spare state slots after the batch's as there are sequences."""
     kind, _ = parse_arm(arm)
     if kind in COMPRESSED:
         slots = [s.state_slot for s in seqs]
@@ -82,6 +85,14 @@ def apply_arm(runner: ModelRunner, seqs: list[SeqInput], arm: str) -> None:
         runner.store_checkpoints(slots, ckpt)
         runner.zero_state_slots(slots)
         runner.load_checkpoints(ckpt, slots)
+        window = runner.checkpoints.plan.refresh_window
+        if kind == "wr" and window > 0:
+            replay = []
+            for s, ctx in zip(seqs, contexts):
+                start = max(0, len(ctx) - window)
+                replay.append(SeqInput(ctx[start:], start, s.page_table, s.state_slot))
+            scratch = [max(slots) + 1 + i for i in range(len(seqs))]
+            runner.refresh_omitted(replay, scratch)
     else:
         apply_intervention(runner, seqs, kind)
 
@@ -113,11 +124,12 @@ def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, ar
                                              // page))]
         seqs.append((SeqInput(ctx, 0, pages, i + 1), question))
     runner.forward([s for s, _ in seqs])
-    steps = []
+    steps, contexts = [], []
     for s, question in seqs:
+        contexts.append(s.token_ids)
         s.prefix_len, s.token_ids = len(s.token_ids), question
         steps.append(s)
-    apply_arm(runner, steps, arm)
+    apply_arm(runner, steps, arm, contexts)
     tokens = runner.forward(steps).argmax(-1).tolist()
     outputs = [[t] for t in tokens]
     active = [i for i, t in enumerate(tokens) if t != NEWLINE]
@@ -182,7 +194,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 instances per task, shortest length")
     p.add_argument("--arms", nargs="+", default=["dense"],
-                   help="dense | nr@W | nr-int8@W | random@W | zero-full-kv | zero-linear | "
+                   help="dense | nr@W | wr@W | nr-int8@W | random@W | zero-full-kv | zero-linear | "
                         "zero-both (paper Table 1(a) interventions); default: dense")
     p.add_argument("--batch", type=int, default=8, help="instances per batch")
     p.add_argument("--json", action="store_true",
@@ -238,7 +250,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     page = 16
     per_seq = -(-(max(args.lengths) + 64) // page)
     rc = RunnerConfig(str(Path(args.model)), dtype=args.dtype, num_pages=per_seq * args.batch,
-                      page_size=page, num_state_slots=args.batch + 1)
+                      page_size=page, num_state_slots=2 * args.batch + 1)  # + wr scratch
     runner = ModelRunner(rc, tp)
     results = []
     for arm in args.arms:

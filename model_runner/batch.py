@@ -33,6 +33,7 @@ class ForwardBatch:
     kv_write_index: torch.Tensor  # [N] flat KV-pool row of each new token
     kv_read_index: list[torch.Tensor]  # per sequence: flat rows of positions [0, prefix + n)
     is_decode: bool  # every sequence brings exactly one token
+    write_kv: bool = True  # False: replay over cached KV, which stays read-only (dasc-wr)
     last_token_index: torch.Tensor = field(init=False)  # [B] row of each sequence's last token
 
     def __post_init__(self) -> None:
@@ -43,7 +44,8 @@ class ForwardBatch:
         return len(self.seq_lens)
 
 
-def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
+def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
+                write_kv: bool = True) -> ForwardBatch:
     if not seqs:
         raise ValueError("empty batch")
     tokens, positions, write, read, cu = [], [], [], [], [0]
@@ -71,4 +73,5 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device) -> F
         kv_write_index=torch.cat(write).to(device),
         kv_read_index=read,
         is_decode=all(len(s.token_ids) == 1 for s in seqs),
+        write_kv=write_kv,
     )

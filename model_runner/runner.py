@@ -79,16 +79,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False,
-                capture: dict | None = None) -> torch.Tensor:
+                capture: dict | None = None, write_kv: bool = True) -> torch.Tensor:
         """Run one step. Returns logits [num_seqs, vocab] (last token of each sequence), or
         [num_tokens, vocab] with ``all_logits``.  Fresh sequences (prefix_len 0) start from a
-        zeroed state slot."""
+        zeroed state slot.  ``write_kv=False`` reads the cached KV of every position without
+        writing the new tokens' entries (their rows must already be cached)."""
         for s in seqs:
             self.check_tokens(s.token_ids)
         fresh = [s.state_slot for s in seqs if s.prefix_len == 0]
         if fresh:
             self.state.zero(torch.tensor(fresh, device=self.device))
-        batch = build_batch(seqs, self.rc.page_size, self.device)
+        batch = build_batch(seqs, self.rc.page_size, self.device, write_kv)
         ctx = StepContext(batch, self.kv, self.state, capture)
         return self.model(ctx, all_logits=all_logits)
 
@@ -122,6 +123,21 @@ class ModelRunner:
         """Active state -> checkpoint slots (select, pack, quantise, balance)."""
         self.checkpoints.store(self.state.temporal, self.state.conv,
                                torch.tensor(active_slots), torch.tensor(ckpt_slots))
+
+    def refresh_omitted(self, seqs: list[SeqInput], scratch_slots: list[int]) -> None:
+        """dasc-wr: replay each sequence's window (``token_ids`` at ``prefix_len``) from a zero
+        scratch state over the read-only cached KV, then copy only the units the plan omits
+        from the scratch slot into the sequence's ``state_slot``.  Conv state and retained
+        units keep their restored values."""
+        active = [s.state_slot for s in seqs]
+        replay = [SeqInput(s.token_ids, s.prefix_len, s.page_table, scratch)
+                  for s, scratch in zip(seqs, scratch_slots)]
+        self.zero_state_slots(scratch_slots)
+        self.forward(replay, write_kv=False)
+        omitted = self.checkpoints.index.unit_pos < 0  # [L, U_loc]
+        units = self.checkpoints.unit_view(self.state.temporal)  # [L, S, U_loc, D]
+        for dst, src in zip(active, scratch_slots):
+            units[:, dst][omitted] = units[:, src][omitted]
 
     def load_checkpoints(self, ckpt_slots: list[int], active_slots: list[int]) -> None:
         """Checkpoint slots -> active state; omitted units are zero-filled (dasc-nr)."""

@@ -109,3 +109,17 @@ def test_bad_arm_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "loadgen.offline_eval", "--arms", "nr@-3"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "unknown arm 'nr@-3'" in proc.stderr
+
+
+def test_wr_arm_refreshes_omitted_units(runner):
+    prepare_arm(runner, "wr@32", batch=2)
+    context = list(range(3, 30))
+    seq = _prefill(runner, context, [40, 41])
+    dense = runner.read_state(1).temporal
+    apply_arm(runner, [seq], "wr@32", [context])
+    after = runner.read_state(1).temporal
+    d = runner.cfg.unit_numel
+    b, a = dense.reshape(dense.shape[0], -1, d), after.reshape(after.shape[0], -1, d)
+    kept = runner.checkpoints.plan.mask()
+    assert torch.equal(a[kept], b[kept])
+    assert a[~kept].abs().sum() > 0  # refreshed, not zero-filled

@@ -147,7 +147,7 @@ class CheckpointPool:
     def store(self, temporal: torch.Tensor, conv: torch.Tensor, src_slots: torch.Tensor,
               dst_slots: torch.Tensor) -> None:
         """Active slots src_slots [B] -> checkpoint slots dst_slots [B] (distinct)."""
-        pool = self._unit_view(temporal)  # [L, S, U_loc, D]
+        pool = self.unit_view(temporal)  # [L, S, U_loc, D]
         self._check_conv(conv)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         self.conv[:, dst] = conv[:, src].to(self.conv.dtype)
@@ -176,7 +176,7 @@ class CheckpointPool:
         Retained units are restored (exactly in fp32), omitted units are zero-filled (dasc-nr),
         conv state is restored whole.
         """
-        pool = self._unit_view(temporal)  # [L, S, U_loc, D]
+        pool = self.unit_view(temporal)  # [L, S, U_loc, D]
         self._check_conv(conv)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         conv[:, dst] = self.conv[:, src].to(conv.dtype)
@@ -197,7 +197,7 @@ class CheckpointPool:
         scatter_units(packed, torch.arange(num_reqs, device=self.device), idx.unit_pos, pool, dst)
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _unit_view(self, temporal: torch.Tensor) -> torch.Tensor:
+    def unit_view(self, temporal: torch.Tensor) -> torch.Tensor:
         num_layers, heads_loc, k, v = self.temporal_shape
         if (temporal.dim() != 5 or temporal.shape[0] != num_layers
                 or tuple(temporal.shape[2:]) != (heads_loc, k, v)

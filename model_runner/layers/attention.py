@@ -47,6 +47,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     return torch.matmul(probs, v).transpose(0, 1)  # [n, H, Dv]
 
 
+def store_kv(batch: ForwardBatch, cache: torch.Tensor, entries: torch.Tensor) -> None:
+    """Write the new tokens' KV entries [N, ...] into their pool rows (skipped on replay)."""
+    if batch.write_kv:
+        cache[batch.kv_write_index] = entries
+
+
 def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expand, scale: float
                  ) -> torch.Tensor:
     """Run ``causal_attention`` for each sequence; ``expand(rows) -> (k, v)`` reads its cache."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_runner.config import ModelConfig
-from model_runner.layers.attention import PartialRotary, per_sequence
+from model_runner.layers.attention import PartialRotary, per_sequence, store_kv
 from model_runner.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -105,7 +105,7 @@ class GatedAttention(nn.Module):
         k = self.rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv, d)), positions)
         v = self.v_proj(x).view(n, self.num_kv, d)
         cache = ctx.kv.caches[self.full_index]  # [rows, 2, Hkv, D]
-        cache[ctx.batch.kv_write_index] = torch.stack([k, v], dim=1)
+        store_kv(ctx.batch, cache, torch.stack([k, v], dim=1))
         o = per_sequence(ctx.batch, q, cache, lambda kv: (kv[:, 0], kv[:, 1]), d**-0.5)
         o = o.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(o)

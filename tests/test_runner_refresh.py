@@ -1,0 +1,63 @@
+"""dasc-wr through the runner: replay a suffix of the cached prefix from a zero scratch state over
+read-only KV and refresh only the omitted units."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_worker import plans
+from runner_scenarios import make_runner
+from tiny_models import make_model
+
+from model_runner.batch import SeqInput
+
+
+@pytest.fixture(scope="module", params=["kda", "gdn"])
+def setup(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"wr-{request.param}")
+    make_model(request.param, path)
+    runner = make_runner(str(path))
+    runner.attach_checkpoints(plans(str(path))["w32"], num_slots=2)
+    prompt = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = list(range(10))
+    runner.forward([SeqInput(prompt, 0, table, 1)])
+    return runner, prompt, table
+
+
+def _restore_nr(runner):
+    runner.store_checkpoints([1], [0])
+    runner.state.temporal[:, 2].normal_()
+    runner.load_checkpoints([0], [2])
+
+
+def test_full_window_replay_recovers_the_exact_state(setup):
+    runner, prompt, table = setup
+    dense = runner.read_state(1)
+    _restore_nr(runner)
+    kv = [c.clone() for c in runner.kv.caches]
+    ckpt = runner.checkpoints.temporal.clone()
+    runner.refresh_omitted([SeqInput(prompt, 0, table, 2)], scratch_slots=[3])
+    assert torch.equal(runner.read_state(2).temporal, dense.temporal)
+    assert torch.equal(runner.read_state(2).conv, dense.conv)
+    assert all(torch.equal(a, b) for a, b in zip(kv, runner.kv.caches)), "KV must stay read-only"
+    assert torch.equal(runner.checkpoints.temporal, ckpt), "the checkpoint must stay read-only"
+
+
+def test_short_window_refreshes_only_omitted_units(setup):
+    runner, prompt, table = setup
+    dense = runner.read_state(1).temporal
+    _restore_nr(runner)
+    nr = runner.read_state(2).temporal
+    window = runner.checkpoints.plan.refresh_window
+    assert 4 <= window <= 32
+    start = len(prompt) - window
+    runner.refresh_omitted([SeqInput(prompt[start:], start, table, 2)], scratch_slots=[3])
+    wr = runner.read_state(2).temporal
+    omitted = runner.checkpoints.index.unit_pos < 0  # [L, U]
+    view = runner.checkpoints.unit_view
+    d, n, w = view(dense[:, None]), view(nr[:, None]), view(wr[:, None])  # [L, 1, U, D]
+    assert torch.equal(w[:, 0][~omitted], d[:, 0][~omitted])
+    assert n[:, 0][omitted].abs().sum() == 0
+    err_nr = (n[:, 0][omitted] - d[:, 0][omitted]).norm()
+    err_wr = (w[:, 0][omitted] - d[:, 0][omitted]).norm()
+    assert err_wr < 0.75 * err_nr, (err_wr, err_nr)
