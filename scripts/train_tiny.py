@@ -1,0 +1,239 @@
+"""Train a tiny byte-level Kimi-Linear (KDA) or Qwen3-Next (GDN) model on the task suite (CPU).
+
+    nice -n 10 .venv/bin/python scripts/train_tiny.py --model kimi-linear-tiny --minutes 52
+
+Reproducible: model init, the decay parameters and every batch are pure functions of the seed
+and the step number (batch instances come from ``make_instances`` with training seeds >= 10^7,
+far from evaluation seeds).  Resumable: a checkpoint (model, optimiser, step, elapsed training
+time) is written to ``<out>/<model>/ckpt.pt`` every few minutes and at the end, and a rerun of
+the same command continues from it.  The run stops by training time; the learning rate follows
+the elapsed fraction of that budget.  At the end the model is saved with ``save_pretrained`` plus
+the byte tokenizer into ``<out>/<model>/final`` (and ``--export-dir`` if given), then a quick
+greedy-decoding evaluation is written to ``eval.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import tiny_models as tm  # first: blocks fla, patches the chunk functions
+import torch
+import torch.nn.functional as F
+from tiny_eval import family_table, quick_eval
+
+from loadgen.tasks import TASKS, make_instances
+from loadgen.tasks.retrieval import single_question
+from model_runner.byte_tokenizer import PAD_ID, encode_bytes, write_byte_tokenizer
+
+TRAIN_SEED_BASE = 10_000_000
+NEEDLE = re.compile(r"(?:^| )([0-9a-z-]+): ([0-9a-f-]+)\.")
+LENGTH_WEIGHTS = {256: 0.35, 512: 0.45, 1024: 0.15, 2048: 0.05}
+TASK_WEIGHTS = {t: 1.5 if t in ("s1", "s2", "s3", "mk1") else 1.0 for t in TASKS}
+
+
+def extra_questions(context: str, rng: random.Random, count: int) -> list[tuple[str, str]]:
+    """Training-only densification: up to ``count`` more (question, completion) pairs about
+    other single-valued needles of the same context, asked after the real answer."""
+    table: dict[str, list[str]] = {}
+    for key, value in NEEDLE.findall(context):
+        table.setdefault(key, []).append(value)
+    keys = [k for k, values in table.items() if len(values) == 1]
+    picks = rng.sample(keys, min(count, len(keys)))
+    return [(single_question(k).lstrip("\n"), f" {table[k][0]}\n") for k in picks]
+
+
+def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
+               length_weights: dict[int, float] | None = None):
+    """input ids [B, T], answer mask [B, T] (targets in the completion), valid mask [B, T].
+
+    With ``num_extra`` > 0, needle tasks get extra questions appended (see ``extra_questions``);
+    they draw from their own random stream, so ``num_extra=0`` reproduces the recorded run.
+    """
+    rng = random.Random(f"train/{seed}/{step}")
+    weights = length_weights or LENGTH_WEIGHTS
+    length = rng.choices(list(weights), list(weights.values()))[0]
+    batch = max(1, tokens_per_step // length)
+    rows, spans = [], []
+    for i in range(batch):
+        task = rng.choices(list(TASK_WEIGHTS), list(TASK_WEIGHTS.values()))[0]
+        inst = make_instances(task, length, 1, TRAIN_SEED_BASE + step * 64 + i)[0]
+        text, row_spans = inst.prompt, []
+        pairs = [("", inst.completion)]
+        if num_extra and TASKS[task].family in ("retrieval", "multi_key", "multi"):
+            extra_rng = random.Random(f"extra/{seed}/{step}/{i}")
+            pairs += extra_questions(inst.context, extra_rng, num_extra)
+        for question, completion in pairs:
+            text += question
+            row_spans.append((len(text), len(text) + len(completion)))
+            text += completion
+        rows.append(encode_bytes(text))
+        spans.append(row_spans)
+    width = max(map(len, rows))
+    ids = torch.full((batch, width), PAD_ID, dtype=torch.long)
+    answer = torch.zeros(batch, width, dtype=torch.bool)  # position t predicts token t
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    for b, (row, row_spans) in enumerate(zip(rows, spans)):
+        ids[b, : len(row)] = torch.tensor(row)
+        for start, end in row_spans:
+            answer[b, start:end] = True
+        valid[b, 1 : len(row)] = True
+    return ids, answer, valid
+
+
+def losses(model, ids, answer, valid):
+    """(answer loss, LM loss on the rest, answer-token accuracy); masks index target tokens."""
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    ans, rest = answer[:, 1:], valid[:, 1:] & ~answer[:, 1:]
+    correct = (logits.argmax(-1) == ids[:, 1:])[ans].float().mean()
+    return nll[ans].mean(), nll[rest].mean(), correct
+
+
+def lr_at(frac: float, step: int, args) -> float:
+    warm = min(1.0, (step + 1) / args.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+    return args.lr * warm * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cosine)
+
+
+def make_optimizer(model, lr: float) -> torch.optim.Optimizer:
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        is_plain = p.dim() < 2 or name.endswith(("A_log", "dt_bias"))
+        (plain if is_plain else decay).append(p)
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def save_checkpoint(path: Path, model, opt, step: int, elapsed: float, history: list) -> None:
+    tmp = path.with_suffix(".tmp")
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+             "elapsed": elapsed, "history": history}
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a kill mid-write never leaves a broken checkpoint
+
+
+def export(model, target: Path) -> None:
+    """save_pretrained (config.json + model.safetensors, fp32) plus the byte tokenizer."""
+    if target.exists():
+        shutil.rmtree(target)
+    model.save_pretrained(target)
+    write_byte_tokenizer(target)
+
+
+def train(args) -> None:
+    torch.set_num_threads(args.threads)
+    run_dir = Path(args.out) / args.model
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_file = open(run_dir / "train.log", "a")
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    model = tm.build_model(args.model, args.seed)
+    tm.set_fast_chunks(True)
+    opt = make_optimizer(model, args.lr)
+    step, elapsed, history = 0, 0.0, []
+    ckpt = run_dir / "ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        log(f"resumed {args.model} at step {step}, {elapsed / 60:.1f} min trained")
+    else:
+        original, fast = tm.check_patch(model)
+        log(f"start {args.model}: {sum(p.numel() for p in model.parameters())} params; "
+            f"patch check loss original={original:.6f} fast={fast:.6f}")
+    budget = args.minutes * 60
+    last_save, window = time.time(), []
+    model.train()
+    while elapsed < budget and (args.max_steps is None or step < args.max_steps):
+        t0 = time.time()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(elapsed / budget, step, args)
+        ids, answer, valid = make_batch(step, args.tokens_per_step, args.seed,
+                                        args.extra_questions, args.length_weights)
+        ans_loss, lm_loss, acc = losses(model, ids, answer, valid)
+        loss = ans_loss + args.lm_weight * lm_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        elapsed += time.time() - t0
+        window.append((ans_loss.item(), lm_loss.item(), acc.item(), ids.shape[1]))
+        if step % args.log_every == 0:
+            a, m, c = (sum(w[i] for w in window) / len(window) for i in range(3))
+            history.append({"step": step, "min": elapsed / 60, "ans_loss": a, "lm_loss": m,
+                            "ans_acc": c})
+            log(f"step {step} {elapsed / 60:.1f}min lr={opt.param_groups[0]['lr']:.2e} "
+                f"ans_loss={a:.3f} lm_loss={m:.3f} ans_tok_acc={c:.3f} "
+                f"({(time.time() - t0):.1f}s/step, len {ids.shape[1]})")
+            window = []
+        if time.time() - last_save > args.save_every_min * 60:
+            save_checkpoint(ckpt, model, opt, step, elapsed, history)
+            last_save = time.time()
+    save_checkpoint(ckpt, model, opt, step, elapsed, history)
+    log(f"training done: step {step}, {elapsed / 60:.1f} min")
+    export(model, run_dir / "final")
+    if args.export_dir:
+        export(model, Path(args.export_dir))
+        log(f"exported to {args.export_dir}")
+    hs = torch.cat(tm.static_horizons(model))
+    under = {w: int((hs <= w).sum()) for w in (16, 64, 128, 512)}
+    log(f"static horizons: {hs.numel()} units, min {hs.min():.1f} max {hs.max():.1f}, "
+        f"<= W_max {under}")
+    if args.eval_n > 0:
+        results = quick_eval(model, args.eval_lengths, args.eval_n, log=log)
+        families = family_table(results)
+        (run_dir / "eval.json").write_text(json.dumps(
+            {"step": step, "minutes": elapsed / 60, "tasks": results, "families": families,
+             "horizons_under": under, "history": history}, indent=1))
+        for fam, by_len in families.items():
+            log(f"family {fam:12s} " + " ".join(f"{n}:{a:.2f}" for n, a in by_len.items()))
+
+
+def _length_weights(text: str) -> dict[int, float]:
+    pairs = (item.split(":") for item in text.split(","))
+    return {int(length): float(weight) for length, weight in pairs}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=tm.MODEL_NAMES, required=True)
+    p.add_argument("--out", default="out/train")
+    p.add_argument("--export-dir", default=None, help="also save the final model here")
+    p.add_argument("--minutes", type=float, default=52.0, help="training time budget")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--tokens-per-step", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--lm-weight", type=float, default=0.1)
+    p.add_argument("--extra-questions", type=int, default=0,
+                   help="extra needle questions appended per needle-task sequence (0: off)")
+    p.add_argument("--length-weights", type=_length_weights, default=None,
+                   help="training context lengths, e.g. 192:0.3,256:0.4,512:0.3 "
+                        "(default: the recorded run's mix)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every-min", type=float, default=4.0)
+    p.add_argument("--eval-n", type=int, default=10, help="instances per task and length")
+    p.add_argument("--eval-lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    train(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()
