@@ -51,7 +51,8 @@ def extra_questions(context: str, rng: random.Random, count: int) -> list[tuple[
 
 
 def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
-               length_weights: dict[int, float] | None = None):
+               length_weights: dict[int, float] | None = None,
+               task_weights: dict[str, float] | None = None):
     """input ids [B, T], answer mask [B, T] (targets in the completion), valid mask [B, T].
 
     With ``num_extra`` > 0, needle tasks get extra questions appended (see ``extra_questions``);
@@ -63,7 +64,8 @@ def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
     batch = max(1, tokens_per_step // length)
     rows, spans = [], []
     for i in range(batch):
-        task = rng.choices(list(TASK_WEIGHTS), list(TASK_WEIGHTS.values()))[0]
+        tasks = task_weights or TASK_WEIGHTS
+        task = rng.choices(list(tasks), list(tasks.values()))[0]
         inst = make_instances(task, length, 1, TRAIN_SEED_BASE + step * 64 + i)[0]
         text, row_spans = inst.prompt, []
         pairs = [("", inst.completion)]
@@ -163,7 +165,8 @@ def train(args) -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(elapsed / budget, step, args)
         ids, answer, valid = make_batch(step, args.tokens_per_step, args.seed,
-                                        args.extra_questions, args.length_weights)
+                                        args.extra_questions, args.length_weights,
+                                        args.task_weights)
         ans_loss, lm_loss, acc = losses(model, ids, answer, valid)
         loss = ans_loss + args.lm_weight * lm_loss
         opt.zero_grad(set_to_none=True)
@@ -209,6 +212,11 @@ def _length_weights(text: str) -> dict[int, float]:
     return {int(length): float(weight) for length, weight in pairs}
 
 
+def _task_weights(text: str) -> dict[str, float]:
+    pairs = (item.split(":") for item in text.split(","))
+    return {task: float(weight) for task, weight in pairs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=tm.MODEL_NAMES, required=True)
@@ -226,6 +234,8 @@ def main() -> None:
     p.add_argument("--length-weights", type=_length_weights, default=None,
                    help="training context lengths, e.g. 192:0.3,256:0.4,512:0.3 "
                         "(default: the recorded run's mix)")
+    p.add_argument("--task-weights", type=_task_weights, default=None,
+                   help="training task mix, e.g. s1:1,mk1:1 (default: every task)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10)
