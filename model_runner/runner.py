@@ -119,9 +119,14 @@ class ModelRunner:
             identity=self.identity())
         return self.checkpoints
 
+    def _pool(self) -> CheckpointPool:
+        if self.checkpoints is None:
+            raise RuntimeError("no checkpoint pool: call attach_checkpoints(plan, ...) first")
+        return self.checkpoints
+
     def store_checkpoints(self, active_slots: list[int], ckpt_slots: list[int]) -> None:
         """Active state -> checkpoint slots (select, pack, quantise, balance)."""
-        self.checkpoints.store(self.state.temporal, self.state.conv,
+        self._pool().store(self.state.temporal, self.state.conv,
                                torch.tensor(active_slots), torch.tensor(ckpt_slots))
 
     def refresh_omitted(self, seqs: list[SeqInput], scratch_slots: list[int]) -> None:
@@ -134,12 +139,13 @@ class ModelRunner:
                   for s, scratch in zip(seqs, scratch_slots)]
         self.zero_state_slots(scratch_slots)
         self.forward(replay, write_kv=False)
-        omitted = self.checkpoints.index.unit_pos < 0  # [L, U_loc]
-        units = self.checkpoints.unit_view(self.state.temporal)  # [L, S, U_loc, D]
+        pool = self._pool()
+        omitted = pool.index.unit_pos < 0  # [L, U_loc]
+        units = pool.unit_view(self.state.temporal)  # [L, S, U_loc, D]
         for dst, src in zip(active, scratch_slots):
             units[:, dst][omitted] = units[:, src][omitted]
 
     def load_checkpoints(self, ckpt_slots: list[int], active_slots: list[int]) -> None:
         """Checkpoint slots -> active state; omitted units are zero-filled (dasc-nr)."""
-        self.checkpoints.load(self.state.temporal, self.state.conv,
+        self._pool().load(self.state.temporal, self.state.conv,
                               torch.tensor(ckpt_slots), torch.tensor(active_slots))

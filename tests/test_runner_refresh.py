@@ -61,3 +61,10 @@ def test_short_window_refreshes_only_omitted_units(setup):
     err_nr = (n[:, 0][omitted] - d[:, 0][omitted]).norm()
     err_wr = (w[:, 0][omitted] - d[:, 0][omitted]).norm()
     assert err_wr < 0.75 * err_nr, (err_wr, err_nr)
+
+
+def test_checkpoint_calls_need_a_pool(tmp_path):
+    make_model("kda", tmp_path)
+    runner = make_runner(str(tmp_path))
+    with pytest.raises(RuntimeError, match="attach_checkpoints"):
+        runner.store_checkpoints([1], [0])
