@@ -12,11 +12,20 @@ def is_rank_process() -> bool:
 
 
 def relaunch(tp: int, module: str, argv: list[str]) -> int:
-    """Run ``python -m module argv`` on ``tp`` ranks with ``torchrun --standalone``."""
+    """Run ``python -m module argv`` on ``tp`` ranks with ``torchrun --standalone``.
+
+    Ranks print results on stdout (passed through).  When a rank failed with a one-line
+    ``error:`` message, only that line is shown instead of torchrun's failure report."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={tp}", "-m", module, *argv]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.run(cmd, env=env).returncode
+    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    if proc.returncode != 0 and errors:
+        print(errors[0], file=sys.stderr)
+    elif proc.stderr:
+        print(proc.stderr, end="", file=sys.stderr)
+    return proc.returncode
 
 
 def is_first_rank() -> bool:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from conftest import ROOT
 from tiny_models import make_model
 
@@ -59,6 +61,8 @@ def _broken_copy(model_dir, tmp_path, edit=None, drop=None):
     ("token-outside-vocab", "outside the vocabulary"),
     ("bad-prompt-ids", "comma-separated integers"),
     ("truncated-weights", "unreadable safetensors"),
+    ("wrong-shape-weights", "does not fit"),
+    ("wrong-shape-weights-tp2", "does not fit"),
 ])
 def test_bad_input_one_line_error(case, expect, model_dir, tmp_path):
     args = ["--prompt-ids", "5,6,7", "--max-new-tokens", "2"]
@@ -82,6 +86,13 @@ def test_bad_input_one_line_error(case, expect, model_dir, tmp_path):
         d, args = model_dir, ["--prompt-ids", "5,96", "--max-new-tokens", "2"]
     elif case == "bad-prompt-ids":
         d, args = model_dir, ["--prompt-ids", "5,x", "--max-new-tokens", "2"]
+    elif case.startswith("wrong-shape-weights"):
+        d = _broken_copy(model_dir, tmp_path)
+        weights = load_file(d / "model.safetensors")
+        weights["model.norm.weight"] = torch.ones(3)
+        save_file(weights, d / "model.safetensors")
+        if case.endswith("tp2"):
+            args += ["--tp", "2"]
     else:
         d = _broken_copy(model_dir, tmp_path)
         weights = d / "model.safetensors"

@@ -42,20 +42,26 @@ def attach_loader(
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> nn.Parameter:
     """Give ``param`` a loader: part ``shard_id`` takes ``loaded.index_select(dim, index)``."""
-    offsets, off = {}, 0
+    offsets, lengths, off = {}, {}, 0
     for shard_id, index in parts.items():
         offsets[shard_id] = off
-        off += len(index) if index is not None else param.shape[dim] - off
+        lengths[shard_id] = len(index) if index is not None else param.shape[dim] - off
+        off += lengths[shard_id]
 
     def weight_loader(p: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if transform is not None:
             loaded = transform(loaded)
         index = parts[shard_id]
-        src = loaded if index is None else loaded.index_select(dim, index)
-        dst = p.data.narrow(dim, offsets[shard_id], src.shape[dim])
-        if dst.shape != src.shape:
+        dst = p.data.narrow(dim, offsets[shard_id], lengths[shard_id])
+        fits = loaded.dim() == dst.dim() and all(
+            loaded.shape[d] == dst.shape[d] for d in range(dst.dim()) if d != dim)
+        if index is None:
+            fits = fits and loaded.shape[dim] == lengths[shard_id]
+        elif fits:
+            fits = int(index.max()) < loaded.shape[dim]
+        if not fits:
             raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
-        dst.copy_(src)
+        dst.copy_(loaded if index is None else loaded.index_select(dim, index))
 
     param.weight_loader = weight_loader
     return param
@@ -110,8 +116,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"vocabulary rows {loaded.shape[0]} != vocab_size {self.vocab_size}")
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not fit "
+                             f"({self.vocab_size}, {param.shape[1]})")
         rows = loaded[self.start : self.start + self.per_rank]
         param.data[: rows.shape[0]].copy_(rows)
 

@@ -80,6 +80,11 @@ class SparseMoE(nn.Module):
                 dst = p.data[expert].narrow(0, half * len(index), len(index))
             else:
                 dst = p.data[shard_id]
+            other = 1 - dim  # the unsharded dim must match exactly
+            if loaded.dim() != 2 or loaded.shape[other] != dst.shape[other] or \
+                    int(index.max()) >= loaded.shape[dim]:
+                raise ValueError(f"shape {tuple(loaded.shape)} does not fit expert "
+                                 f"{tuple(dst.shape)}")
             dst.copy_(loaded.index_select(dim, index))
 
         return load
