@@ -83,7 +83,7 @@ def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype,
 
 def load_weights(model: HybridForCausalLM, model_dir: Path) -> None:
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    loaded: set[tuple[str, object]] = set()
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -98,13 +98,14 @@ def load_weights(model: HybridForCausalLM, model_dir: Path) -> None:
                         param.weight_loader(param, f.get_tensor(name), shard_id)
                     except (ValueError, RuntimeError, IndexError) as e:
                         raise WeightsError(f"{path}: tensor {name!r}: {e}") from None
-                    loaded.add(target)
+                    loaded.add((target, shard_id))
         except SafetensorError as e:
             raise WeightsError(f"{path}: unreadable safetensors file ({e})") from None
-    if model.cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+    if model.cfg.tie_word_embeddings and ("lm_head.weight", None) not in loaded:
         model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+        loaded.add(("lm_head.weight", None))
+    missing = sorted(name for name, p in params.items()
+                     if any((name, s) not in loaded for s in p.shard_ids))
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{model_dir}: missing weights {', '.join(missing[:3])}{more}")

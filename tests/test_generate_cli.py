@@ -62,6 +62,7 @@ def _broken_copy(model_dir, tmp_path, edit=None, drop=None):
     ("bad-prompt-ids", "comma-separated integers"),
     ("truncated-weights", "unreadable safetensors"),
     ("wrong-shape-weights", "does not fit"),
+    ("missing-tensor", "missing weights model.layers.0.mlp.gate_up_proj.weight"),
     ("wrong-shape-weights-tp2", "does not fit"),
 ])
 def test_bad_input_one_line_error(case, expect, model_dir, tmp_path):
@@ -86,6 +87,11 @@ def test_bad_input_one_line_error(case, expect, model_dir, tmp_path):
         d, args = model_dir, ["--prompt-ids", "5,96", "--max-new-tokens", "2"]
     elif case == "bad-prompt-ids":
         d, args = model_dir, ["--prompt-ids", "5,x", "--max-new-tokens", "2"]
+    elif case == "missing-tensor":  # half of a merged gate|up parameter
+        d = _broken_copy(model_dir, tmp_path)
+        weights = load_file(d / "model.safetensors")
+        del weights["model.layers.0.block_sparse_moe.up_proj.weight"]
+        save_file(weights, d / "model.safetensors")
     elif case.startswith("wrong-shape-weights"):
         d = _broken_copy(model_dir, tmp_path)
         weights = load_file(d / "model.safetensors")

@@ -64,6 +64,7 @@ def attach_loader(
         dst.copy_(loaded if index is None else loaded.index_select(dim, index))
 
     param.weight_loader = weight_loader
+    param.shard_ids = set(parts)  # every part must come from the checkpoint
     return param
 
 
@@ -114,6 +115,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = new_param(self.per_rank, hidden_size, dtype=dtype)
         self.weight.data.zero_()
         self.weight.weight_loader = self._load
+        self.weight.shard_ids = {None}
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):

@@ -63,6 +63,8 @@ class SparseMoE(nn.Module):
         self.w2 = new_param(num_experts, hidden, local, dtype=dtype)
         self.w13.weight_loader = self._expert_loader(index, dim=0)
         self.w2.weight_loader = self._expert_loader(index, dim=1)
+        self.w13.shard_ids = {(half, e) for half in (0, 1) for e in range(num_experts)}
+        self.w2.shard_ids = set(range(num_experts))
         self.shared_expert = DenseMLP(hidden, cfg.shared_expert_intermediate_size, tp, dtype,
                                       reduce=False, field="shared_expert_intermediate_size")
         if cfg.is_kda:
