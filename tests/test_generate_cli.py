@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from conftest import ROOT
+from safetensors.torch import load_file, save_file
 from tiny_models import make_model
 
 from model_runner.generate import DEFAULT_MODEL
