@@ -63,6 +63,9 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
         write.append(rows[s.prefix_len :])
         read.append(rows.to(device))
         cu.append(cu[-1] + n)
+    write_rows = torch.cat(write)
+    if write_kv and write_rows.unique().numel() != write_rows.numel():
+        raise ValueError("two tokens of the step would write the same KV row")
     return ForwardBatch(
         token_ids=torch.tensor(tokens, dtype=torch.long, device=device),
         positions=torch.cat(positions).to(device),
@@ -70,7 +73,7 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
         prefix_lens=[s.prefix_len for s in seqs],
         cu_seqlens=cu,
         state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=device),
-        kv_write_index=torch.cat(write).to(device),
+        kv_write_index=write_rows.to(device),
         kv_read_index=read,
         is_decode=all(len(s.token_ids) == 1 for s in seqs),
         write_kv=write_kv,

@@ -84,14 +84,27 @@ class ModelRunner:
         [num_tokens, vocab] with ``all_logits``.  Fresh sequences (prefix_len 0) start from a
         zeroed state slot.  ``write_kv=False`` reads the cached KV of every position without
         writing the new tokens' entries (their rows must already be cached)."""
-        for s in seqs:
-            self.check_tokens(s.token_ids)
+        self._check_step(seqs, write_kv)
         fresh = [s.state_slot for s in seqs if s.prefix_len == 0]
         if fresh:
             self.state.zero(torch.tensor(fresh, device=self.device))
         batch = build_batch(seqs, self.rc.page_size, self.device, write_kv)
         ctx = StepContext(batch, self.kv, self.state, capture)
         return self.model(ctx, all_logits=all_logits)
+
+    def _check_step(self, seqs: list[SeqInput], write_kv: bool) -> None:
+        """Reject a step that would read or write outside the pools or let two sequences
+        share a state slot (which would silently mix their states)."""
+        slots = [s.state_slot for s in seqs]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"two sequences in one step share a state slot: {slots}")
+        for s in seqs:
+            self.check_tokens(s.token_ids)
+            if not 0 < s.state_slot < self.rc.num_state_slots:
+                raise ValueError(f"state slot {s.state_slot} outside [1, "
+                                 f"{self.rc.num_state_slots})")
+            if s.prefix_len < 0 or any(not 0 <= p < self.rc.num_pages for p in s.page_table):
+                raise ValueError("negative prefix length or page id outside the KV pool")
 
     # State API used by the prefix cache: a request's per-layer (conv, temporal) state.
     def read_state(self, slot: int) -> RequestState:

@@ -96,3 +96,21 @@ def test_sharded_checkpoint_and_bf16(tmp_path):
     ref = reference_logits(hf.to(torch.bfloat16), p)
     bf16 = outs["sharded", "bfloat16"]
     assert bf16.dtype == torch.float32 and (bf16 - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_bad_steps_are_rejected_before_touching_state(tmp_path):
+    from model_runner.batch import SeqInput
+
+    make_model("kda", tmp_path)
+    runner = make_runner(str(tmp_path))
+    before = runner.state.temporal.clone()
+    bad_steps = {
+        "share a state slot": [SeqInput([5, 6], 0, [0], 1), SeqInput([7], 0, [1], 1)],
+        "same KV row": [SeqInput([5, 6], 0, [0], 1), SeqInput([7], 0, [0], 2)],
+        "outside": [SeqInput([5], 0, [10_000], 1)],
+        "state slot 0": [SeqInput([5], 0, [0], 0)],
+    }
+    for message, seqs in bad_steps.items():
+        with pytest.raises(ValueError, match=message):
+            runner.forward(seqs)
+    assert torch.equal(runner.state.temporal, before)
