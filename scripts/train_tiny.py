@@ -154,6 +154,11 @@ def train(args) -> None:
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         log(f"resumed {args.model} at step {step}, {elapsed / 60:.1f} min trained")
     else:
+        if args.init_from:  # e.g. the shipped weights, when no checkpoint of this run exists
+            from safetensors.torch import load_file
+
+            model.load_state_dict(load_file(Path(args.init_from) / "model.safetensors"))
+            log(f"initialised {args.model} from {args.init_from}")
         original, fast = tm.check_patch(model)
         log(f"start {args.model}: {sum(p.numel() for p in model.parameters())} params; "
             f"patch check loss original={original:.6f} fast={fast:.6f}")
@@ -236,6 +241,9 @@ def main() -> None:
                         "(default: the recorded run's mix)")
     p.add_argument("--task-weights", type=_task_weights, default=None,
                    help="training task mix, e.g. s1:1,mk1:1 (default: every task)")
+    p.add_argument("--init-from", default=None,
+                   help="start from a saved model folder (e.g. model_runner/assets/<model>) "
+                        "instead of a fresh init; ignored when resuming a checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10)
