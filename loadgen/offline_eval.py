@@ -164,6 +164,9 @@ def evaluate(runner: ModelRunner, tasks: list[str], lengths: list[int], n: int, 
                 texts = run_group(runner, group, encode, decode, arm)
                 scores += [score_instance(inst, t) for inst, t in zip(group, texts)]
             results.append(Result(arm, task, length, sum(scores) / len(scores), len(scores)))
+            if is_first_rank():  # progress on stderr; stdout stays the table / JSON lines
+                print(f"[dasc-eval] {arm} {task} {length}: {results[-1].accuracy:.2f} "
+                      f"({len(results)} done)", file=sys.stderr, flush=True)
     return results
 
 
