@@ -23,6 +23,7 @@ import torch
 
 from loadgen.tasks import LENGTHS, TASKS, TaskInstance, make_instances, score_instance
 from model_runner.batch import SeqInput
+from model_runner.engine import decode_until
 from model_runner.launch import is_first_rank, is_rank_process, relaunch
 from model_runner.runner import ModelRunner
 
@@ -130,19 +131,7 @@ def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, ar
         s.prefix_len, s.token_ids = len(s.token_ids), question
         steps.append(s)
     apply_arm(runner, steps, arm, contexts)
-    tokens = runner.forward(steps).argmax(-1).tolist()
-    outputs = [[t] for t in tokens]
-    active = [i for i, t in enumerate(tokens) if t != NEWLINE]
-    for _ in range(spec.max_new_tokens - 1):
-        if not active:
-            break
-        for i in active:
-            steps[i].prefix_len += len(steps[i].token_ids)
-            steps[i].token_ids = [outputs[i][-1]]
-        tokens = runner.forward([steps[i] for i in active]).argmax(-1).tolist()
-        for i, t in zip(active, tokens):
-            outputs[i].append(t)
-        active = [i for i, t in zip(active, tokens) if t != NEWLINE]
+    outputs = decode_until(runner, steps, runner.forward(steps), spec.max_new_tokens, {NEWLINE})
     return [decode(o) for o in outputs]
 
 

@@ -21,6 +21,28 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).tolist()
 
 
+def decode_until(runner: ModelRunner, seqs: list[SeqInput], logits: torch.Tensor,
+                 max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> list[list[int]]:
+    """Sample from ``logits`` (the step that ended each sequence's prompt), then decode batched
+    steps until each sequence has ``max_new_tokens`` tokens or emitted one of ``stop_ids``
+    (kept in its output).  ``seqs`` are advanced in place."""
+    tokens = sample(logits, temperature, generator)
+    outputs = [[t] for t in tokens]
+    active = [i for i, t in enumerate(tokens) if t not in stop_ids]
+    for _ in range(max_new_tokens - 1):
+        if not active:
+            break
+        for i in active:
+            seqs[i].prefix_len += len(seqs[i].token_ids)
+            seqs[i].token_ids = [outputs[i][-1]]
+        tokens = sample(runner.forward([seqs[i] for i in active]), temperature, generator)
+        for i, t in zip(active, tokens):
+            outputs[i].append(t)
+        active = [i for i, t in zip(active, tokens) if t not in stop_ids]
+    return outputs
+
+
 class OfflineEngine:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -63,23 +85,9 @@ class OfflineEngine:
             for p in prompts:
                 pages, slot = self._allocate(len(p) + max_new_tokens)
                 seqs.append(SeqInput(list(p), 0, pages, slot))
-            tokens = sample(self.runner.forward(seqs), temperature, generator)
-            outputs = [[t] for t in tokens]
-            active = [i for i, t in enumerate(tokens) if t != eos_token_id]
-            for _ in range(max_new_tokens - 1):
-                if not active:
-                    break
-                step = []
-                for i in active:
-                    s = seqs[i]
-                    s.prefix_len += len(s.token_ids)
-                    s.token_ids = [outputs[i][-1]]
-                    step.append(s)
-                tokens = sample(self.runner.forward(step), temperature, generator)
-                for i, t in zip(active, tokens):
-                    outputs[i].append(t)
-                active = [i for i, t in zip(active, tokens) if t != eos_token_id]
-            return outputs
+            stop = {eos_token_id} if eos_token_id is not None else set()
+            return decode_until(self.runner, seqs, self.runner.forward(seqs), max_new_tokens,
+                                stop, temperature, generator)
         finally:
             for s in seqs:
                 self.free_pages.extend(s.page_table)
