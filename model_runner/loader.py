@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from model_runner.compression.weights import WeightsError
 from model_runner.config import ConfigError, ModelConfig
 from model_runner.models.common import HybridForCausalLM
 from model_runner.models.kimi_linear import KimiLinearForCausalLM
@@ -22,10 +23,6 @@ MODEL_CLASSES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
-
-
-class WeightsError(ValueError):
-    """Missing, unreadable or mismatching weight files; the message names the file."""
 
 
 def check_tp(cfg: ModelConfig, tp_size: int, source: str = "config.json") -> None:

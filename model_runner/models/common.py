@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from model_runner.batch import ForwardBatch
+from model_runner.compression.placement import check_head_order, owned_bundles
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from model_runner.layers.mlp import DenseMLP, SparseMoE
@@ -60,15 +61,11 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float) -> 
     return o
 
 
-def bundles_of_rank(num_bundles: int, tp: TPGroup, head_order: list[list[int]] | None,
-                    linear_index: int) -> list[int]:
-    """Rank r keeps ``order[r*nb/T : (r+1)*nb/T]`` of the layer's bundle order (default 0..)."""
-    order = list(range(num_bundles)) if head_order is None else list(head_order[linear_index])
-    if sorted(order) != list(range(num_bundles)):
-        raise ValueError(f"head order of linear layer {linear_index} is not a permutation of "
-                         f"{num_bundles} heads")
-    per = num_bundles // tp.size
-    return order[tp.rank * per : (tp.rank + 1) * per]
+def rank_bundles(cfg: ModelConfig, tp: TPGroup, head_order: list[list[int]] | None
+                 ) -> list[list[int]]:
+    """Per linear layer, the head bundles this rank keeps: ``order[r*nb/T : (r+1)*nb/T]`` of the
+    layer's (validated) bundle order, identity by default."""
+    return owned_bundles(check_head_order(cfg, head_order), tp.rank, tp.size)
 
 
 class DecoderLayer(nn.Module):

@@ -28,8 +28,8 @@ from model_runner.models.common import (
     DecoderLayer,
     HybridForCausalLM,
     StepContext,
-    bundles_of_rank,
     delta_rule,
+    rank_bundles,
     short_conv,
 )
 from model_runner.ops.delta_rule import l2norm_div
@@ -150,9 +150,10 @@ class KimiLinearForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype,
                  head_order: list[list[int]] | None = None):
         layers, lin, full = [], 0, 0
+        owned = rank_bundles(cfg, tp, head_order)
         for i, kind in enumerate(cfg.layer_types):
             if kind == "linear_attention":
-                heads = bundles_of_rank(cfg.linear_num_key_heads, tp, head_order, lin)
+                heads = owned[lin]
                 mixer, lin = KimiDeltaAttention(cfg, tp, dtype, heads, lin), lin + 1
             else:
                 mixer, full = MLAttention(cfg, tp, dtype, full), full + 1

@@ -27,8 +27,8 @@ from model_runner.models.common import (
     DecoderLayer,
     HybridForCausalLM,
     StepContext,
-    bundles_of_rank,
     delta_rule,
+    rank_bundles,
     short_conv,
 )
 from model_runner.ops.delta_rule import l2norm_rsqrt
@@ -130,9 +130,10 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype,
                  head_order: list[list[int]] | None = None):
         layers, lin, full = [], 0, 0
+        owned = rank_bundles(cfg, tp, head_order)
         for i, kind in enumerate(cfg.layer_types):
             if kind == "linear_attention":
-                bundles = bundles_of_rank(cfg.linear_num_key_heads, tp, head_order, lin)
+                bundles = owned[lin]
                 mixer, name = GatedDeltaNet(cfg, tp, dtype, bundles, lin), "linear_attn"
                 lin += 1
             else:
