@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import string
 import time
 from pathlib import Path
 
@@ -34,9 +35,44 @@ from loadgen.tasks.retrieval import single_question
 from model_runner.byte_tokenizer import PAD_ID, encode_bytes, write_byte_tokenizer
 
 TRAIN_SEED_BASE = 10_000_000
+QUESTION_KEY = re.compile(r"value of ([0-9a-z-]+):$")
 NEEDLE = re.compile(r"(?:^| )([0-9a-z-]+): ([0-9a-f-]+)\.")
 LENGTH_WEIGHTS = {256: 0.35, 512: 0.45, 1024: 0.15, 2048: 0.05}
 TASK_WEIGHTS = {t: 1.5 if t in ("s1", "s2", "s3", "mk1") else 1.0 for t in TASKS}
+COPY_ALPHABET = string.ascii_lowercase + string.digits
+COPY = "copy"  # training-only source (not a suite task): a random string, then the same again
+
+
+def copy_pointers(text: str) -> list[tuple[int, int]]:
+    """(position, source) pairs of a copy row: the position predicting a repeated character
+    and the earlier index holding it."""
+    size = text.index("\n")
+    return [(p, p - size) for p in range(size, 2 * size)]
+
+
+def needle_pointers(text: str, context: str, start: int, completion: str) -> list[tuple[int, int]]:
+    """(position, source) pairs of a needle answer ``completion`` written at ``text[start:]``:
+    the position predicting each value character and that character's index in the one needle
+    ``key: value.`` of ``context``.  Empty when the question is not a single-key lookup."""
+    match = QUESTION_KEY.search(text[:start])
+    value = completion.strip()
+    needle = f"{match.group(1)}: {value}." if match else None
+    if needle is None or context.count(needle) != 1:
+        return []
+    source = context.index(needle) + len(match.group(1)) + 2
+    return [(start + i, source + i) for i in range(len(value))]
+
+
+def copy_row(rng: random.Random, length: int) -> tuple[str, tuple[int, int]]:
+    """``R\nR\n`` for a random string R of about a third of ``length``; the span is the repeat.
+
+    Every repeated character is an induction target (find the earlier occurrence of the
+    current context, copy what followed), the circuit that needle retrieval is built on and
+    the one small models are slowest to discover from sparse answer tokens alone.
+    """
+    size = rng.randrange(max(8, length // 6), max(9, length // 2 - 1))
+    text = "".join(rng.choice(COPY_ALPHABET) for _ in range(size))
+    return f"{text}\n{text}\n", (size + 1, 2 * size + 2)
 
 
 def extra_questions(context: str, rng: random.Random, count: int) -> list[tuple[str, str]]:
@@ -62,10 +98,17 @@ def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
     weights = length_weights or LENGTH_WEIGHTS
     length = rng.choices(list(weights), list(weights.values()))[0]
     batch = max(1, tokens_per_step // length)
-    rows, spans = [], []
+    rows, spans, kinds, pointers = [], [], [], []
     for i in range(batch):
         tasks = task_weights or TASK_WEIGHTS
         task = rng.choices(list(tasks), list(tasks.values()))[0]
+        kinds.append(task == COPY)
+        if task == COPY:
+            text, span = copy_row(random.Random(f"copy/{seed}/{step}/{i}"), length)
+            rows.append(encode_bytes(text))
+            spans.append([span])
+            pointers += [(i, p, src) for p, src in copy_pointers(text)]
+            continue
         inst = make_instances(task, length, 1, TRAIN_SEED_BASE + step * 64 + i)[0]
         text, row_spans = inst.prompt, []
         pairs = [("", inst.completion)]
@@ -75,6 +118,8 @@ def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
         for question, completion in pairs:
             text += question
             row_spans.append((len(text), len(text) + len(completion)))
+            pointers += [(i, p, src) for p, src in
+                         needle_pointers(text, inst.context, len(text), completion)]
             text += completion
         rows.append(encode_bytes(text))
         spans.append(row_spans)
@@ -87,16 +132,27 @@ def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
         for start, end in row_spans:
             answer[b, start:end] = True
         valid[b, 1 : len(row)] = True
-    return ids, answer, valid
+    return ids, answer, valid, torch.tensor(kinds), torch.tensor(pointers).reshape(-1, 3)
 
 
-def losses(model, ids, answer, valid):
-    """(answer loss, LM loss on the rest, answer-token accuracy); masks index target tokens."""
-    logits = model(input_ids=ids).logits[:, :-1].float()
+def losses(model, ids, answer, valid, is_copy, pointers=None):
+    """(answer loss, LM loss on the rest, answer-token accuracy on task rows, on copy rows,
+    attention-pointer loss); masks index target tokens; an accuracy is NaN when the batch has
+    no such rows.  With ``pointers`` ([N, 3]: row, position, source), the pointer loss is the
+    mean -log attention weight that head 0 of every full-attention layer gives the source."""
+    out = model(input_ids=ids, output_attentions=pointers is not None)
+    logits = out.logits[:, :-1].float()
+    pointer_loss = torch.zeros(())
+    if pointers is not None and len(pointers):
+        b, pos, src = pointers.unbind(1)
+        probs = torch.stack([a[b, 0, pos, src] for a in out.attentions if a is not None])
+        pointer_loss = -probs.float().clamp_min(1e-6).log().mean()
     nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
     ans, rest = answer[:, 1:], valid[:, 1:] & ~answer[:, 1:]
-    correct = (logits.argmax(-1) == ids[:, 1:])[ans].float().mean()
-    return nll[ans].mean(), nll[rest].mean(), correct
+    hit = logits.argmax(-1) == ids[:, 1:]
+    task_acc = hit[ans & ~is_copy[:, None]].float().mean()
+    copy_acc = hit[ans & is_copy[:, None]].float().mean()
+    return nll[ans].mean(), nll[rest].mean(), task_acc, copy_acc, pointer_loss
 
 
 def lr_at(frac: float, step: int, args) -> float:
@@ -144,6 +200,8 @@ def train(args) -> None:
 
     model = tm.build_model(args.model, args.seed)
     tm.set_fast_chunks(True)
+    if args.pointer_weight > 0:  # attention weights are only returned by the eager path
+        model.config._attn_implementation = "eager"
     opt = make_optimizer(model, args.lr)
     step, elapsed, history = 0, 0.0, []
     ckpt = run_dir / "ckpt.pt"
@@ -155,9 +213,13 @@ def train(args) -> None:
         log(f"resumed {args.model} at step {step}, {elapsed / 60:.1f} min trained")
     else:
         if args.init_from:  # e.g. the shipped weights, when no checkpoint of this run exists
-            from safetensors.torch import load_file
+            source = Path(args.init_from)
+            if source.suffix == ".pt":  # another run's checkpoint: its weights only
+                model.load_state_dict(torch.load(source, weights_only=False)["model"])
+            else:
+                from safetensors.torch import load_file
 
-            model.load_state_dict(load_file(Path(args.init_from) / "model.safetensors"))
+                model.load_state_dict(load_file(source / "model.safetensors"))
             log(f"initialised {args.model} from {args.init_from}")
         original, fast = tm.check_patch(model)
         log(f"start {args.model}: {sum(p.numel() for p in model.parameters())} params; "
@@ -169,24 +231,28 @@ def train(args) -> None:
         t0 = time.time()
         for group in opt.param_groups:
             group["lr"] = lr_at(elapsed / budget, step, args)
-        ids, answer, valid = make_batch(step, args.tokens_per_step, args.seed,
+        ids, answer, valid, is_copy, pointers = make_batch(step, args.tokens_per_step, args.seed,
                                         args.extra_questions, args.length_weights,
                                         args.task_weights)
-        ans_loss, lm_loss, acc = losses(model, ids, answer, valid)
-        loss = ans_loss + args.lm_weight * lm_loss
+        supervise = pointers if args.pointer_weight > 0 else None
+        ans_loss, lm_loss, acc, copy_acc, ptr_loss = losses(model, ids, answer, valid, is_copy,
+                                                            supervise)
+        loss = ans_loss + args.lm_weight * lm_loss + args.pointer_weight * ptr_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         elapsed += time.time() - t0
-        window.append((ans_loss.item(), lm_loss.item(), acc.item(), ids.shape[1]))
+        window.append((ans_loss.item(), lm_loss.item(), acc.item(), copy_acc.item(),
+                       ptr_loss.item()))
         if step % args.log_every == 0:
-            a, m, c = (sum(w[i] for w in window) / len(window) for i in range(3))
+            a, m, c, k, q = (_nanmean([w[i] for w in window]) for i in range(5))
             history.append({"step": step, "min": elapsed / 60, "ans_loss": a, "lm_loss": m,
-                            "ans_acc": c})
+                            "ans_acc": c, "copy_acc": k, "pointer_loss": q})
             log(f"step {step} {elapsed / 60:.1f}min lr={opt.param_groups[0]['lr']:.2e} "
-                f"ans_loss={a:.3f} lm_loss={m:.3f} ans_tok_acc={c:.3f} "
+                f"ans_loss={a:.3f} lm_loss={m:.3f} ans_tok_acc={c:.3f} copy_acc={k:.3f} "
+                f"ptr_loss={q:.3f} "
                 f"({(time.time() - t0):.1f}s/step, len {ids.shape[1]})")
             window = []
         if time.time() - last_save > args.save_every_min * 60:
@@ -212,6 +278,11 @@ def train(args) -> None:
             log(f"family {fam:12s} " + " ".join(f"{n}:{a:.2f}" for n, a in by_len.items()))
 
 
+def _nanmean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
+
+
 def _length_weights(text: str) -> dict[int, float]:
     pairs = (item.split(":") for item in text.split(","))
     return {int(length): float(weight) for length, weight in pairs}
@@ -234,16 +305,21 @@ def main() -> None:
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--lm-weight", type=float, default=0.1)
+    p.add_argument("--pointer-weight", type=float, default=0.0,
+                   help="weight of the attention-pointer loss (0: off): head 0 of each "
+                        "full-attention layer is taught to attend, at every answer position "
+                        "of a copy row or single-key needle question, to the character to copy")
     p.add_argument("--extra-questions", type=int, default=0,
                    help="extra needle questions appended per needle-task sequence (0: off)")
     p.add_argument("--length-weights", type=_length_weights, default=None,
                    help="training context lengths, e.g. 192:0.3,256:0.4,512:0.3 "
                         "(default: the recorded run's mix)")
     p.add_argument("--task-weights", type=_task_weights, default=None,
-                   help="training task mix, e.g. s1:1,mk1:1 (default: every task)")
+                   help="training task mix, e.g. s1:1,mk1:1,copy:2 (default: every suite task); "
+                        "'copy' adds repeated random strings (induction warm-up)")
     p.add_argument("--init-from", default=None,
-                   help="start from a saved model folder (e.g. model_runner/assets/<model>) "
-                        "instead of a fresh init; ignored when resuming a checkpoint")
+                   help="start from a saved model folder (e.g. model_runner/assets/<model>) or "
+                        "another run's ckpt.pt instead of a fresh init; ignored when resuming")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10)

@@ -1,0 +1,84 @@
+"""The tiny-model training script: its batches, its attention-pointer targets, a real short run.
+
+The script lives in ``scripts/`` beside its own ``tiny_models`` module (a different one from
+``tests/tiny_models.py``), so it runs in a subprocess with ``scripts/`` as its working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+from model_runner.config import ModelConfig
+
+SCRIPTS = ROOT / "scripts"
+
+BATCH_CHECK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import train_tiny as t
+from loadgen.tasks import TASKS
+
+report = []
+weights = {"copy": 1, "s1": 1, "s3": 1, "mk2": 1, "mk3": 1, "cwe": 1}
+for step in range(6):
+    ids, answer, valid, is_copy, pointers = t.make_batch(step, 1024, 0, 4, {192: 1.0}, weights)
+    rows = {}
+    for b, pos, src in pointers.tolist():
+        rows.setdefault(b, []).append((pos, src))
+    for b in range(ids.shape[0]):
+        pairs = rows.get(b, [])
+        report.append({
+            "copy": bool(is_copy[b]),
+            "answer_tokens": int(answer[b].sum()),
+            "pointers": len(pairs),
+            "match": all(int(ids[b, p + 1]) == int(ids[b, s]) for p, s in pairs),
+            "causal": all(s <= p for p, s in pairs),
+            "in_answer": all(bool(answer[b, p + 1]) for p, _ in pairs),
+        })
+print(json.dumps(report))
+"""
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def test_pointer_targets_copy_the_answer_characters():
+    proc = subprocess.run([sys.executable, "-c", BATCH_CHECK, str(SCRIPTS)], cwd=SCRIPTS,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert any(r["copy"] for r in rows) and any(not r["copy"] for r in rows)
+    for r in rows:
+        # every pointer names an earlier position holding exactly the token to be predicted
+        assert r["match"] and r["causal"] and r["in_answer"], r
+    copy_rows = [r for r in rows if r["copy"]]
+    # a copy row points at every repeated character (the final newline has no source)
+    assert all(r["pointers"] == r["answer_tokens"] - 1 for r in copy_rows)
+    # needle rows point at every value character; other tasks (cwe) at none
+    assert sum(r["pointers"] for r in rows if not r["copy"]) > 0
+    assert any(r["pointers"] == 0 for r in rows if not r["copy"])
+
+
+def test_short_training_run_with_pointer_loss_exports_a_loadable_model(tmp_path):
+    cmd = [sys.executable, "train_tiny.py", "--model", "qwen3-next-tiny", "--out", str(tmp_path),
+           "--max-steps", "2", "--minutes", "10", "--tokens-per-step", "384",
+           "--length-weights", "192:1", "--task-weights", "copy:1,mk2:1",
+           "--extra-questions", "2", "--pointer-weight", "1", "--log-every", "1",
+           "--eval-n", "0"]
+    proc = subprocess.run(cmd, cwd=SCRIPTS, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (tmp_path / "qwen3-next-tiny" / "train.log").read_text()
+    losses = [float(line.split("ptr_loss=")[1].split()[0]) for line in log.splitlines()
+              if "ptr_loss=" in line]
+    assert len(losses) == 2 and all(x > 0 for x in losses)
+    final = tmp_path / "qwen3-next-tiny" / "final"
+    # the eager attention the pointer loss needs is a training setting, not part of the model
+    assert "eager" not in (final / "config.json").read_text()
+    assert ModelConfig.from_dir(final).num_hidden_layers == 6
