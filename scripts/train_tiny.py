@@ -35,7 +35,7 @@ from loadgen.tasks.retrieval import single_question
 from model_runner.byte_tokenizer import PAD_ID, encode_bytes, write_byte_tokenizer
 
 TRAIN_SEED_BASE = 10_000_000
-QUESTION_KEY = re.compile(r"value of ([0-9a-z-]+):$")
+QUESTION_KEYS = re.compile(r"(all )?values? of ([0-9a-z -]+):$")  # S*, MK*, MQ, MV questions
 NEEDLE = re.compile(r"(?:^| )([0-9a-z-]+): ([0-9a-f-]+)\.")
 LENGTH_WEIGHTS = {256: 0.35, 512: 0.45, 1024: 0.15, 2048: 0.05}
 TASK_WEIGHTS = {t: 1.5 if t in ("s1", "s2", "s3", "mk1") else 1.0 for t in TASKS}
@@ -52,15 +52,27 @@ def copy_pointers(text: str) -> list[tuple[int, int]]:
 
 def needle_pointers(text: str, context: str, start: int, completion: str) -> list[tuple[int, int]]:
     """(position, source) pairs of a needle answer ``completion`` written at ``text[start:]``:
-    the position predicting each value character and that character's index in the one needle
-    ``key: value.`` of ``context``.  Empty when the question is not a single-key lookup."""
-    match = QUESTION_KEY.search(text[:start])
-    value = completion.strip()
-    needle = f"{match.group(1)}: {value}." if match else None
-    if needle is None or context.count(needle) != 1:
+    the position predicting each character of each answer and that character's index in the
+    answer's one needle ``key: value.`` in ``context``.  The question names one key (single and
+    multi-key needles), one key per answer (multi-query) or one key for all answers
+    (multi-value).  Empty for other questions or when a needle is not unique."""
+    match = QUESTION_KEYS.search(text[:start])
+    if match is None:
         return []
-    source = context.index(needle) + len(match.group(1)) + 2
-    return [(start + i, source + i) for i in range(len(value))]
+    values = completion.split()
+    keys = match.group(2).split()
+    keys = keys * len(values) if len(keys) == 1 else keys
+    if len(keys) != len(values):
+        return []
+    pairs, offset = [], 1  # completion = " " + " ".join(values) + "\n"
+    for key, value in zip(keys, values):
+        needle = f"{key}: {value}."
+        if context.count(needle) != 1:
+            return []
+        source = context.index(needle) + len(key) + 2
+        pairs += [(start + offset - 1 + i, source + i) for i in range(len(value))]
+        offset += len(value) + 1
+    return pairs
 
 
 def copy_row(rng: random.Random, length: int) -> tuple[str, tuple[int, int]]:

@@ -24,8 +24,8 @@ import train_tiny as t
 from loadgen.tasks import TASKS
 
 report = []
-weights = {"copy": 1, "s1": 1, "s3": 1, "mk2": 1, "mk3": 1, "cwe": 1}
-for step in range(6):
+weights = {"copy": 1, "s1": 1, "s3": 1, "mk2": 1, "mk3": 1, "mq": 1, "mv": 1, "cwe": 1}
+for step in range(8):
     ids, answer, valid, is_copy, pointers = t.make_batch(step, 1024, 0, 4, {192: 1.0}, weights)
     rows = {}
     for b, pos, src in pointers.tolist():
@@ -35,6 +35,7 @@ for step in range(6):
         report.append({
             "copy": bool(is_copy[b]),
             "answer_tokens": int(answer[b].sum()),
+            "answer_chars": int((answer[b] & (ids[b] != 32) & (ids[b] != 10)).sum()),
             "pointers": len(pairs),
             "match": all(int(ids[b, p + 1]) == int(ids[b, s]) for p, s in pairs),
             "causal": all(s <= p for p, s in pairs),
@@ -60,8 +61,11 @@ def test_pointer_targets_copy_the_answer_characters():
     copy_rows = [r for r in rows if r["copy"]]
     # a copy row points at every repeated character (the final newline has no source)
     assert all(r["pointers"] == r["answer_tokens"] - 1 for r in copy_rows)
-    # needle rows point at every value character; other tasks (cwe) at none
-    assert sum(r["pointers"] for r in rows if not r["copy"]) > 0
+    # needle rows (single, multi-key, multi-query, multi-value) point at every answer
+    # character (not at spaces and newlines); other tasks (cwe) point nowhere
+    needle_rows = [r for r in rows if not r["copy"] and r["pointers"]]
+    assert len(needle_rows) >= 4
+    assert all(r["pointers"] == r["answer_chars"] for r in needle_rows), needle_rows
     assert any(r["pointers"] == 0 for r in rows if not r["copy"])
 
 
