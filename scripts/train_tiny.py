@@ -35,19 +35,12 @@ from loadgen.tasks.retrieval import single_question
 from model_runner.byte_tokenizer import PAD_ID, encode_bytes, write_byte_tokenizer
 
 TRAIN_SEED_BASE = 10_000_000
-QUESTION_KEYS = re.compile(r"(all )?values? of ([0-9a-z -]+):$")  # S*, MK*, MQ, MV questions
+QUESTION_KEYS = re.compile(r"(?:all )?values? of ([0-9a-z -]+):$")  # S*, MK*, MQ, MV questions
 NEEDLE = re.compile(r"(?:^| )([0-9a-z-]+): ([0-9a-f-]+)\.")
 LENGTH_WEIGHTS = {256: 0.35, 512: 0.45, 1024: 0.15, 2048: 0.05}
 TASK_WEIGHTS = {t: 1.5 if t in ("s1", "s2", "s3", "mk1") else 1.0 for t in TASKS}
 COPY_ALPHABET = string.ascii_lowercase + string.digits
 COPY = "copy"  # training-only source (not a suite task): a random string, then the same again
-
-
-def copy_pointers(text: str) -> list[tuple[int, int]]:
-    """(position, source) pairs of a copy row: the position predicting a repeated character
-    and the earlier index holding it."""
-    size = text.index("\n")
-    return [(p, p - size) for p in range(size, 2 * size)]
 
 
 def needle_pointers(text: str, context: str, start: int, completion: str) -> list[tuple[int, int]]:
@@ -60,7 +53,7 @@ def needle_pointers(text: str, context: str, start: int, completion: str) -> lis
     if match is None:
         return []
     values = completion.split()
-    keys = match.group(2).split()
+    keys = match.group(1).split()
     keys = keys * len(values) if len(keys) == 1 else keys
     if len(keys) != len(values):
         return []
@@ -75,8 +68,11 @@ def needle_pointers(text: str, context: str, start: int, completion: str) -> lis
     return pairs
 
 
-def copy_row(rng: random.Random, length: int) -> tuple[str, tuple[int, int]]:
-    """``R\nR\n`` for a random string R of about a third of ``length``; the span is the repeat.
+def copy_row(rng: random.Random, length: int
+             ) -> tuple[str, tuple[int, int], list[tuple[int, int]]]:
+    """``R\nR\n`` for a random string R of about a third of ``length``: the text, the answer span
+    (the repeat) and its (position, source) pointers (the position predicting each repeated
+    character and that character's first occurrence).
 
     Every repeated character is an induction target (find the earlier occurrence of the
     current context, copy what followed), the circuit that needle retrieval is built on and
@@ -84,7 +80,8 @@ def copy_row(rng: random.Random, length: int) -> tuple[str, tuple[int, int]]:
     """
     size = rng.randrange(max(8, length // 6), max(9, length // 2 - 1))
     text = "".join(rng.choice(COPY_ALPHABET) for _ in range(size))
-    return f"{text}\n{text}\n", (size + 1, 2 * size + 2)
+    pointers = [(p, p - size) for p in range(size, 2 * size)]
+    return f"{text}\n{text}\n", (size + 1, 2 * size + 2), pointers
 
 
 def extra_questions(context: str, rng: random.Random, count: int) -> list[tuple[str, str]]:
@@ -116,10 +113,10 @@ def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
         task = rng.choices(list(tasks), list(tasks.values()))[0]
         kinds.append(task == COPY)
         if task == COPY:
-            text, span = copy_row(random.Random(f"copy/{seed}/{step}/{i}"), length)
+            text, span, row_pointers = copy_row(random.Random(f"copy/{seed}/{step}/{i}"), length)
             rows.append(encode_bytes(text))
             spans.append([span])
-            pointers += [(i, p, src) for p, src in copy_pointers(text)]
+            pointers += [(i, p, src) for p, src in row_pointers]
             continue
         inst = make_instances(task, length, 1, TRAIN_SEED_BASE + step * 64 + i)[0]
         text, row_spans = inst.prompt, []
@@ -320,7 +317,8 @@ def main() -> None:
     p.add_argument("--pointer-weight", type=float, default=0.0,
                    help="weight of the attention-pointer loss (0: off): head 0 of each "
                         "full-attention layer is taught to attend, at every answer position "
-                        "of a copy row or single-key needle question, to the character to copy")
+                        "of a copy row or needle question (S, MK, MQ, MV), to the character "
+                        "to copy")
     p.add_argument("--extra-questions", type=int, default=0,
                    help="extra needle questions appended per needle-task sequence (0: off)")
     p.add_argument("--length-weights", type=_length_weights, default=None,

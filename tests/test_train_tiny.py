@@ -21,7 +21,6 @@ BATCH_CHECK = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import train_tiny as t
-from loadgen.tasks import TASKS
 
 report = []
 weights = {"copy": 1, "s1": 1, "s3": 1, "mk2": 1, "mk3": 1, "mq": 1, "mv": 1, "cwe": 1}
