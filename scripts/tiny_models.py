@@ -34,6 +34,8 @@ LAYER_TYPES = ["full_attention" if (i + 1) % 3 == 0 else "linear_attention"
                for i in range(NUM_LAYERS)]  # layers 2 and 5 are full attention
 HORIZON_EPS = 1e-3
 STATIC_GATE_INPUT = -0.3
+RESET_LOG_DECAY = -30.0  # exp(-30) ~ 1e-13: the step that multiplies the state by ~0
+_state_reset: list[torch.Tensor | None] = [None]  # [B, T] bool, see ``set_state_reset``
 
 ORIGINAL_KDA_CHUNK = kimi_mod.chunk_kimi_delta_attention
 ORIGINAL_GDN_CHUNK = qwen_mod.torch_chunk_gated_delta_rule
@@ -45,7 +47,7 @@ def fast_kda_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None
     q, k = query.float(), key.float()
     if use_qk_l2norm_in_kernel:
         q, k = l2norm_div(q), l2norm_div(k)
-    o, state = chunk_delta_rule(q, k, value.float(), g.float(), beta.float(), initial_state,
+    o, state = chunk_delta_rule(q, k, value.float(), _with_resets(g), beta.float(), initial_state,
                                 scale=k.shape[-1] ** -0.5)
     return o.to(query.dtype), state if output_final_state else None
 
@@ -59,9 +61,27 @@ def fast_gdn_chunk(query, key, value, g, beta, chunk_size=64, initial_state=None
         q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm_rsqrt(q), l2norm_rsqrt(k)
-    o, state = chunk_delta_rule(q, k, value.float(), g.float(), beta.float(), initial_state,
+    o, state = chunk_delta_rule(q, k, value.float(), _with_resets(g), beta.float(), initial_state,
                                 scale=k.shape[-1] ** -0.5)
     return o.to(query.dtype), state if output_final_state else None
+
+
+def set_state_reset(mask: torch.Tensor | None) -> None:
+    """Training augmentation: where ``mask`` [B, T] is set, every linear layer's recurrent state
+    is dropped just before that token (its decay step becomes ~0), as when a cached prefix's
+    linear state is lost; the conv window and the attention KV are untouched.  None: off."""
+    _state_reset[0] = mask
+
+
+def _with_resets(g: torch.Tensor) -> torch.Tensor:
+    mask = _state_reset[0]
+    g = g.float()
+    if mask is None:
+        return g
+    if mask.shape != g.shape[:2]:
+        raise ValueError(f"state-reset mask {tuple(mask.shape)} does not match {tuple(g.shape)}")
+    drop = mask.to(g.dtype).reshape(*mask.shape, *(1,) * (g.dim() - 2)) * RESET_LOG_DECAY
+    return g + drop
 
 
 def set_fast_chunks(is_fast: bool) -> None:

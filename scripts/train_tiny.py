@@ -40,6 +40,7 @@ NEEDLE = re.compile(r"(?:^| )([0-9a-z-]+): ([0-9a-f-]+)\.")
 LENGTH_WEIGHTS = {256: 0.35, 512: 0.45, 1024: 0.15, 2048: 0.05}
 TASK_WEIGHTS = {t: 1.5 if t in ("s1", "s2", "s3", "mk1") else 1.0 for t in TASKS}
 COPY_ALPHABET = string.ascii_lowercase + string.digits
+NEEDLE_FAMILIES = ("retrieval", "multi_key", "multi")
 COPY = "copy"  # training-only source (not a suite task): a random string, then the same again
 
 
@@ -97,17 +98,20 @@ def extra_questions(context: str, rng: random.Random, count: int) -> list[tuple[
 
 def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
                length_weights: dict[int, float] | None = None,
-               task_weights: dict[str, float] | None = None):
-    """input ids [B, T], answer mask [B, T] (targets in the completion), valid mask [B, T].
+               task_weights: dict[str, float] | None = None, state_reset: float = 0.0):
+    """input ids [B, T], answer mask [B, T] (targets in the completion), valid mask [B, T],
+    copy-row flags [B], pointers [N, 3] and state-reset positions [B] (-1: none).
 
     With ``num_extra`` > 0, needle tasks get extra questions appended (see ``extra_questions``);
-    they draw from their own random stream, so ``num_extra=0`` reproduces the recorded run.
+    with ``state_reset`` > 0, that fraction of needle rows (retrieval, multi-key, multi-query /
+    value) gets its linear state reset where the question starts (``tm.set_state_reset``).
+    Both draw from their own random streams, so zeros reproduce the recorded runs.
     """
     rng = random.Random(f"train/{seed}/{step}")
     weights = length_weights or LENGTH_WEIGHTS
     length = rng.choices(list(weights), list(weights.values()))[0]
     batch = max(1, tokens_per_step // length)
-    rows, spans, kinds, pointers = [], [], [], []
+    rows, spans, kinds, pointers, resets = [], [], [], [], []
     for i in range(batch):
         tasks = task_weights or TASK_WEIGHTS
         task = rng.choices(list(tasks), list(tasks.values()))[0]
@@ -117,13 +121,17 @@ def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
             rows.append(encode_bytes(text))
             spans.append([span])
             pointers += [(i, p, src) for p, src in row_pointers]
+            resets.append(-1)
             continue
         inst = make_instances(task, length, 1, TRAIN_SEED_BASE + step * 64 + i)[0]
         text, row_spans = inst.prompt, []
         pairs = [("", inst.completion)]
-        if num_extra and TASKS[task].family in ("retrieval", "multi_key", "multi"):
+        is_needle = TASKS[task].family in NEEDLE_FAMILIES
+        if num_extra and is_needle:
             extra_rng = random.Random(f"extra/{seed}/{step}/{i}")
             pairs += extra_questions(inst.context, extra_rng, num_extra)
+        drop = is_needle and random.Random(f"reset/{seed}/{step}/{i}").random() < state_reset
+        resets.append(len(encode_bytes(inst.context)) if drop else -1)
         for question, completion in pairs:
             text += question
             row_spans.append((len(text), len(text) + len(completion)))
@@ -141,7 +149,18 @@ def make_batch(step: int, tokens_per_step: int, seed: int, num_extra: int = 0,
         for start, end in row_spans:
             answer[b, start:end] = True
         valid[b, 1 : len(row)] = True
-    return ids, answer, valid, torch.tensor(kinds), torch.tensor(pointers).reshape(-1, 3)
+    return (ids, answer, valid, torch.tensor(kinds), torch.tensor(pointers).reshape(-1, 3),
+            torch.tensor(resets))
+
+
+def reset_mask(resets: torch.Tensor, width: int) -> torch.Tensor | None:
+    """[B, T] mask for ``tm.set_state_reset`` from per-row positions (-1: none); None if none."""
+    rows = (resets >= 0).nonzero().flatten()
+    if not len(rows):
+        return None
+    mask = torch.zeros(len(resets), width, dtype=torch.bool)
+    mask[rows, resets[rows]] = True
+    return mask
 
 
 def losses(model, ids, answer, valid, is_copy, pointers=None):
@@ -240,12 +259,16 @@ def train(args) -> None:
         t0 = time.time()
         for group in opt.param_groups:
             group["lr"] = lr_at(elapsed / budget, step, args)
-        ids, answer, valid, is_copy, pointers = make_batch(step, args.tokens_per_step, args.seed,
-                                        args.extra_questions, args.length_weights,
-                                        args.task_weights)
+        ids, answer, valid, is_copy, pointers, resets = make_batch(
+            step, args.tokens_per_step, args.seed, args.extra_questions, args.length_weights,
+            args.task_weights, args.state_reset)
         supervise = pointers if args.pointer_weight > 0 else None
-        ans_loss, lm_loss, acc, copy_acc, ptr_loss = losses(model, ids, answer, valid, is_copy,
-                                                            supervise)
+        tm.set_state_reset(reset_mask(resets, ids.shape[1]))
+        try:
+            ans_loss, lm_loss, acc, copy_acc, ptr_loss = losses(model, ids, answer, valid,
+                                                                is_copy, supervise)
+        finally:
+            tm.set_state_reset(None)
         loss = ans_loss + args.lm_weight * lm_loss + args.pointer_weight * ptr_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -319,6 +342,10 @@ def main() -> None:
                         "full-attention layer is taught to attend, at every answer position "
                         "of a copy row or needle question (S, MK, MQ, MV), to the character "
                         "to copy")
+    p.add_argument("--state-reset", type=float, default=0.0,
+                   help="fraction of needle rows (S, MK, MQ, MV) whose linear-layer state is "
+                        "reset where the question starts, as on a cache hit that lost it "
+                        "(0: off)")
     p.add_argument("--extra-questions", type=int, default=0,
                    help="extra needle questions appended per needle-task sequence (0: off)")
     p.add_argument("--length-weights", type=_length_weights, default=None,

@@ -25,7 +25,8 @@ import train_tiny as t
 report = []
 weights = {"copy": 1, "s1": 1, "s3": 1, "mk2": 1, "mk3": 1, "mq": 1, "mv": 1, "cwe": 1}
 for step in range(8):
-    ids, answer, valid, is_copy, pointers = t.make_batch(step, 1024, 0, 4, {192: 1.0}, weights)
+    ids, answer, valid, is_copy, pointers, _ = t.make_batch(step, 1024, 0, 4, {192: 1.0},
+                                                            weights)
     rows = {}
     for b, pos, src in pointers.tolist():
         rows.setdefault(b, []).append((pos, src))
@@ -85,3 +86,73 @@ def test_short_training_run_with_pointer_loss_exports_a_loadable_model(tmp_path)
     # the eager attention the pointer loss needs is a training setting, not part of the model
     assert "eager" not in (final / "config.json").read_text()
     assert ModelConfig.from_dir(final).num_hidden_layers == 6
+
+
+RESET_CHECK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import tiny_models as tm
+import train_tiny as t
+
+gen = torch.Generator().manual_seed(0)
+B, T, H, K, cut = 2, 70, 2, 8, 37
+report = {}
+for name, fn, g_shape in [("kda", tm.fast_kda_chunk, (B, T, H, K)),
+                          ("gdn", tm.fast_gdn_chunk, (B, T, H))]:
+    q, k, v = (torch.randn(B, T, H, K, generator=gen) for _ in range(3))
+    g = -torch.rand(*g_shape, generator=gen) * 0.1
+    beta = torch.rand(B, T, H, generator=gen)
+    args = dict(use_qk_l2norm_in_kernel=True)
+    full, _ = fn(q, k, v, g, beta, **args)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, cut] = True
+    tm.set_state_reset(mask)
+    reset, _ = fn(q, k, v, g, beta, **args)
+    tm.set_state_reset(None)
+    fresh, _ = fn(*(x[:1, cut:] for x in (q, k, v, g, beta)), **args)
+    report[name] = {
+        "before": (reset[0, :cut] - full[0, :cut]).abs().max().item(),
+        "after_vs_fresh": (reset[0, cut:] - fresh[0]).abs().max().item(),
+        "after_vs_full": (reset[0, cut:] - full[0, cut:]).abs().max().item(),
+        "other_row": (reset[1] - full[1]).abs().max().item(),
+    }
+
+needles = {"copy": 1, "s1": 1, "mk2": 1, "mq": 1}
+for label, weights, frac in [("needles", needles, 1.0), ("cwe", {"cwe": 1}, 1.0),
+                             ("off", needles, 0.0)]:
+    rows = []
+    for step in range(4):
+        ids, answer, valid, is_copy, pointers, resets = t.make_batch(
+            step, 1024, 0, 2, {192: 1.0}, weights, frac)
+        for b in range(ids.shape[0]):
+            first_answer = int(answer[b].nonzero()[0])
+            start = max(int(resets[b]), 0)
+            rows.append({"copy": bool(is_copy[b]), "reset": int(resets[b]),
+                         "first_answer": first_answer,
+                         "question": bytes(ids[b, start:first_answer].tolist()).decode()})
+    report[label] = rows
+print(json.dumps(report))
+"""
+
+
+def test_state_reset_drops_the_linear_state_at_the_question():
+    proc = subprocess.run([sys.executable, "-c", RESET_CHECK, str(SCRIPTS)], cwd=SCRIPTS,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind in ("kda", "gdn"):
+        r = report[kind]
+        # before the reset and in other rows nothing changes; after it, the layer computes
+        # exactly what it computes from a zero state on the rest of the sequence
+        assert r["before"] < 1e-6 and r["other_row"] < 1e-6, r
+        assert r["after_vs_fresh"] < 1e-4, r
+        assert r["after_vs_full"] > 1e-2, r  # the dropped state mattered
+    needle_rows = [r for r in report["needles"] if not r["copy"]]
+    assert needle_rows and all(0 < r["reset"] < r["first_answer"] for r in needle_rows)
+    # the reset falls where the question starts: what lies between it and the answer is
+    # the question alone
+    for r in needle_rows:
+        assert "value" in r["question"] and len(r["question"]) < 120, r["question"]
+    assert all(r["reset"] == -1 for r in report["needles"] if r["copy"])
+    assert all(r["reset"] == -1 for r in report["cwe"] + report["off"])
