@@ -48,7 +48,8 @@ def main() -> None:
         runner.forward([SeqInput(prompt, 0, tables[0], 1)])
         times.append(time.perf_counter() - start)
     report(tp, kind="prefill", tp_size=tp.size, tokens=args.prompt_len,
-           seconds=statistics.median(times), tokens_per_s=args.prompt_len / statistics.median(times))
+           seconds=statistics.median(times),
+           tokens_per_s=args.prompt_len / statistics.median(times))
 
     short = prompt[:64]
     for batch in args.decode_batch:
