@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_checkpoints import make_model
 from runner_scenarios import assert_rel_close
-from tiny_models import make_model
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig

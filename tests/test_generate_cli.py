@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
+from random_checkpoints import make_model
 from safetensors.torch import load_file, save_file
-from tiny_models import make_model
 
 from model_runner.generate import DEFAULT_MODEL
 

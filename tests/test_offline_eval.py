@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
+from random_checkpoints import make_model
 from runner_scenarios import make_runner
-from tiny_models import make_model
 
 from loadgen.offline_eval import Result, apply_arm, markdown_table, prepare_arm
 from loadgen.tasks import TASKS

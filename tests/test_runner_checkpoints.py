@@ -13,8 +13,8 @@ import torch
 from ckpt_worker import FORMATS, hit_logits, plans
 from ckpt_worker import main as _unused  # noqa: F401  (the worker must import cleanly)
 from conftest import TESTS
+from random_checkpoints import make_model
 from runner_scenarios import assert_rel_close
-from tiny_models import make_model
 
 from model_runner.compression.plan import PlanError
 from model_runner.config import ModelConfig

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_checkpoints import make_model
 from runner_scenarios import (
     check_against_reference,
     make_runner,
     reference_logits,
     run_scenarios,
 )
-from tiny_models import make_model
 
 STEPS = 16
 CONFIGS = {

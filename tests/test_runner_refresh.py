@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ckpt_worker import plans
+from random_checkpoints import make_model
 from runner_scenarios import make_runner
-from tiny_models import make_model
 
 from model_runner.batch import SeqInput
 

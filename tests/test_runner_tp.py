@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 from conftest import TESTS
+from random_checkpoints import make_model
 from runner_scenarios import assert_rel_close, check_against_reference
 from test_runner_exact import STEPS, prompts
-from tiny_models import make_model
 
 JOBS = {
     2: [("gdn", dict(linear_num_key_heads=4, linear_num_value_heads=8)),  # GVA ratio 2

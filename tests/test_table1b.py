@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tiny_models import make_model
+from random_checkpoints import make_model
 
 from loadgen.table1b import observe, table1b
 from model_runner.compression.horizons import static_horizons

@@ -1,7 +1,8 @@
 """The tiny-model training script: its batches, its attention-pointer targets, a real short run.
 
-The script lives in ``scripts/`` beside its own ``tiny_models`` module (a different one from
-``tests/tiny_models.py``), so it runs in a subprocess with ``scripts/`` as its working directory.
+The script and its ``tiny_models`` module live in ``scripts/``; importing them patches
+transformers' chunk functions process-wide, so they run in a subprocess with ``scripts/`` as its
+working directory and the transformers references of the other tests stay untouched.
 """
 
 from __future__ import annotations
