@@ -35,7 +35,7 @@ LAYER_TYPES = ["full_attention" if (i + 1) % 3 == 0 else "linear_attention"
 HORIZON_EPS = 1e-3
 STATIC_GATE_INPUT = -0.3
 RESET_LOG_DECAY = -30.0  # exp(-30) ~ 1e-13: the step that multiplies the state by ~0
-_state_reset: list[torch.Tensor | None] = [None]  # [B, T] bool, see ``set_state_reset``
+_state_reset: torch.Tensor | None = None  # [B, T] bool, see ``set_state_reset``
 
 ORIGINAL_KDA_CHUNK = kimi_mod.chunk_kimi_delta_attention
 ORIGINAL_GDN_CHUNK = qwen_mod.torch_chunk_gated_delta_rule
@@ -70,12 +70,12 @@ def set_state_reset(mask: torch.Tensor | None) -> None:
     """Training augmentation: where ``mask`` [B, T] is set, every linear layer's recurrent state
     is dropped just before that token (its decay step becomes ~0), as when a cached prefix's
     linear state is lost; the conv window and the attention KV are untouched.  None: off."""
-    _state_reset[0] = mask
+    global _state_reset
+    _state_reset = mask
 
 
 def _with_resets(g: torch.Tensor) -> torch.Tensor:
-    mask = _state_reset[0]
-    g = g.float()
+    mask, g = _state_reset, g.float()
     if mask is None:
         return g
     if mask.shape != g.shape[:2]:

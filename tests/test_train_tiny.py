@@ -70,12 +70,12 @@ def test_pointer_targets_copy_the_answer_characters():
     assert any(r["pointers"] == 0 for r in rows if not r["copy"])
 
 
-def test_short_training_run_with_pointer_loss_exports_a_loadable_model(tmp_path):
+def test_short_training_run_with_pointer_loss_and_state_reset_exports_a_loadable_model(tmp_path):
     cmd = [sys.executable, "train_tiny.py", "--model", "qwen3-next-tiny", "--out", str(tmp_path),
            "--max-steps", "2", "--minutes", "10", "--tokens-per-step", "384",
            "--length-weights", "192:1", "--task-weights", "copy:1,mk2:1",
-           "--extra-questions", "2", "--pointer-weight", "1", "--log-every", "1",
-           "--eval-n", "0"]
+           "--extra-questions", "2", "--pointer-weight", "1", "--state-reset", "1",
+           "--log-every", "1", "--eval-n", "0"]
     proc = subprocess.run(cmd, cwd=SCRIPTS, env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
