@@ -1,0 +1,45 @@
+"""Chat messages -> prompt token ids.
+
+With a chat template (``tokenizer.chat_template``), the template renders the conversation with
+``add_generation_prompt=True`` and the text is encoded without added special tokens (templates
+write their own BOS).  Without one — the built-in tiny models ship none — a plain template is
+used, one line per message and an open assistant turn::
+
+    system: You are terse.
+    user: Hi
+    assistant:
+
+i.e. ``f"{role}: {content}\\n"`` per message followed by ``"assistant:"`` (no trailing space,
+so the model chooses the first character of its reply).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dasc_server.protocol import ChatMessage, RequestError
+
+FALLBACK_ASSISTANT_PREFIX = "assistant:"
+
+
+def render_fallback(messages: list[ChatMessage]) -> str:
+    """The plain template documented above."""
+    lines = "".join(f"{m.role}: {m.text}\n" for m in messages)
+    return lines + FALLBACK_ASSISTANT_PREFIX
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        return render_fallback(messages)
+    conversation = [{"role": m.role, "content": m.text} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # jinja raises its own types, e.g. for roles out of order
+        raise RequestError(f"the chat template rejected the messages: {e}",
+                           param="messages") from e
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of the conversation with an open assistant turn."""
+    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))

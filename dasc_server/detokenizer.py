@@ -1,0 +1,117 @@
+"""Incremental detokenisation with stop strings, one ``IncrementalDetokenizer`` per request.
+
+Token ids arrive a few at a time; text must leave as soon as it is final and never twice.
+Two things can make the end of the decoded text provisional:
+
+* an unfinished character: a byte-level token may carry half of a UTF-8 sequence, which decodes
+  to U+FFFD until the rest arrives.  Like vLLM/SGLang we keep ``[prefix_offset, read_offset)``
+  (ids already emitted, kept as context because many tokenizers decode a token differently at
+  the start of a string, e.g. SentencePiece's leading space) and decode
+  ``ids[prefix_offset:]``; the text beyond the decoded prefix window is new, and it is emitted
+  only when it does not end in U+FFFD;
+* a stop string that may be forming: the longest tail of the pending text that is a prefix of
+  some stop string is held back.  When a stop string appears, the text is cut just before its
+  first occurrence and ``stopped`` becomes true; nothing is emitted after that.
+
+Special tokens (eos, bos, pad) are skipped when decoding, so they never appear as text.
+``flush()`` at the end releases what is still held (an unfinished character comes out as
+U+FFFD, a partial stop string as plain text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # prompt ids kept as decoding context for the first new tokens
+
+
+class IncrementalDetokenizer:
+    """Turns the generated ids of one request into text deltas.
+
+    ``tokenizer`` needs ``decode(ids, skip_special_tokens=True) -> str``; ``None`` means no
+    text at all (every delta is ""), for servers whose model folder has no tokenizer.
+
+    Invariant: ``ids[:read_offset]`` has been turned into text; of that text everything except
+    ``_pending`` has been emitted, and ``_pending`` is a (possibly empty) proper prefix of a
+    stop string, or empty when there are no stop strings.
+    """
+
+    __slots__ = ("tokenizer", "stop", "ids", "prefix_offset", "read_offset", "_pending",
+                 "stopped", "stop_string")
+
+    def __init__(self, tokenizer: Any | None, stop: Iterable[str] = (),
+                 prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if tokenizer is not None else []
+        # A context that is itself mid-character would shift the offsets of the first delta.
+        if context and REPLACEMENT_CHAR in self._decode(context):
+            context = []
+        self.ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self._pending = ""
+        self.stopped = False
+        self.stop_string: str | None = None  # the stop string that matched
+
+    def step(self, new_ids: Sequence[int]) -> str:
+        """Append generated ids; return the text that became final (possibly "")."""
+        if self.stopped or self.tokenizer is None:
+            return ""
+        self.ids.extend(new_ids)
+        return self._release(self._decode_new(final=False), final=False)
+
+    def flush(self) -> str:
+        """The request finished: return everything still held back."""
+        if self.stopped or self.tokenizer is None:
+            return ""
+        return self._release(self._decode_new(final=True), final=True)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _decode_new(self, final: bool) -> str:
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        # Wait for the rest of a character; at the end there is no rest to wait for.
+        if not final and (len(full_text) <= len(prefix_text)
+                          or full_text.endswith(REPLACEMENT_CHAR)):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full_text[len(prefix_text):]
+
+    def _release(self, new_text: str, final: bool) -> str:
+        text = self._pending + new_text
+        self._pending = ""
+        cut = self._first_stop(text)
+        if cut is not None:
+            self.stopped = True
+            return text[:cut]
+        if not final:
+            held = self._partial_stop_len(text)
+            if held:
+                text, self._pending = text[:-held], text[-held:]
+        return text
+
+    def _first_stop(self, text: str) -> int | None:
+        """Index of the earliest stop-string occurrence in ``text`` (records which one)."""
+        best: int | None = None
+        for s in self.stop:
+            i = text.find(s)
+            if i >= 0 and (best is None or i < best):
+                best, self.stop_string = i, s
+        return best
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that a stop string starts with."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,111 @@
+"""The front end's side of the scheduler connection.
+
+One reader thread receives ``TokenOut`` / ``FlushCacheDone`` frames and hands them to the event
+loop; each request awaits its own queue.  A request whose consumer goes away (client disconnect,
+stop string matched) is aborted at the scheduler, which frees it after its in-flight step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+
+from scheduler import ipc
+from scheduler.messages import (
+    AbortReq,
+    FlushCacheDone,
+    FlushCacheReq,
+    GenerateReq,
+    SamplingParams,
+    ServerInfo,
+    TokenOut,
+)
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class EngineClient:
+    def __init__(self, conn: Connection, info: ServerInfo,
+                 on_lost: Callable[[str], None] | None = None):
+        self.conn, self.info, self.on_lost = conn, info, on_lost
+        self._send_lock = threading.Lock()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._flush_waiters: list[asyncio.Future] = []
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead: str | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    async def generate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams
+                       ) -> AsyncIterator[TokenOut]:
+        """Frames of one request until the finished one.  Leaving the iterator early (the
+        consumer stopped or was cancelled) aborts the request at the scheduler."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self._send(GenerateReq(rid, list(prompt_ids), sampling))
+            while True:
+                out = await queue.get()
+                if isinstance(out, EngineDead):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self.dead is None:
+                self._send(AbortReq(rid))
+
+    async def flush_cache(self) -> FlushCacheDone:
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        self._send(FlushCacheReq())
+        return await fut
+
+    def _send(self, msg: object) -> None:
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        with self._send_lock:
+            ipc.send(self.conn, msg)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = ipc.recv(self.conn)
+                self._loop.call_soon_threadsafe(self._dispatch, msg)
+        except (EOFError, OSError) as e:
+            reason = f"lost the scheduler connection ({type(e).__name__})"
+            self._loop.call_soon_threadsafe(self._fail_all, reason)
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, TokenOut):
+            queue = self._queues.get(msg.rid)
+            if queue is not None:
+                queue.put_nowait(msg)
+        elif isinstance(msg, FlushCacheDone) and self._flush_waiters:
+            fut = self._flush_waiters.pop(0)
+            if not fut.done():
+                fut.set_result(msg)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDead(reason))
+        for fut in self._flush_waiters:
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))
+        if self.on_lost is not None:
+            self.on_lost(reason)

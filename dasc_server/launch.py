@@ -1,0 +1,226 @@
+"""``dasc-serve``: one command starts the scheduler, T ranks (torchrun) and the HTTP front end.
+
+Processes: this one runs the front end (uvicorn, FastAPI); ``python -m scheduler`` owns the
+queue, the radix cache and the pools; ``torchrun ... -m model_runner.serve_rank`` runs the T
+ranks (one plain process at T = 1).  Connections are loopback TCP with a per-launch secret.
+Any child that dies ends the server with a non-zero exit and a message naming it; SIGINT or
+SIGTERM stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from model_runner.serve_rank import add_rank_args
+from scheduler import ipc
+from scheduler.__main__ import add_scheduler_args
+from scheduler.messages import ServerInfo, Shutdown
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_runner" / "assets" / \
+    "kimi-linear-tiny"
+RANK_FLAGS = ("--dtype", "--device", "--wmax", "--load-policy", "--placement", "--mask-seed",
+              "--selection", "--state-budget-bytes", "--checkpoint-slots")
+RANK_SWITCHES = ("--int8-checkpoints",)
+SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
+               "--checkpoint-interval", "--wmax", "--load-policy")
+SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="dasc-serve",
+        description="Serve a Qwen3-Next or Kimi-Linear checkpoint with an OpenAI-compatible API "
+                    "and a prefix cache of compressed (dasc) recurrent-state checkpoints.")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="folder with config.json and *.safetensors (default: the built-in tiny "
+                        "Kimi-Linear model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the folder name)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds to wait for the ranks to load the model")
+    add_rank_args(p)
+    add_scheduler_args(p)
+    return p.parse_args(argv)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """What can be checked before any process starts; raises with a one-line message."""
+    from model_runner.config import ModelConfig
+    from model_runner.loader import check_tp, check_weight_files
+
+    model_dir = Path(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    check_tp(cfg, args.tp, str(model_dir / "config.json"))
+    check_weight_files(model_dir)
+    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.checkpoint_interval < 0 or args.wmax < 0:
+        raise ValueError("--checkpoint-interval and --wmax must be >= 0")
+    if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
+        raise ValueError("--checkpoint-slots must be at least 1")
+
+
+def _pass(args: argparse.Namespace, flags: tuple[str, ...], switches: tuple[str, ...]
+          ) -> list[str]:
+    out = []
+    for flag in flags:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out + [s for s in switches if getattr(args, s[2:].replace("-", "_"))]
+
+
+def start_children(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
+    rank_port, front_port = ipc.free_port(), ipc.free_port()
+    args.frontend_port = front_port
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env[ipc.AUTHKEY_ENV] = ipc.new_authkey()
+    os.environ[ipc.AUTHKEY_ENV] = env[ipc.AUTHKEY_ENV]
+    py = sys.executable
+    sched = [py, "-m", "scheduler", "--rank-port", str(rank_port), "--frontend-port",
+             str(front_port), "--model", args.model,
+             *_pass(args, SCHED_FLAGS, SCHED_SWITCHES)]
+    rank_args = ["--model", args.model, "--scheduler-port", str(rank_port),
+                 "--max-total-tokens", str(args.max_total_tokens),
+                 "--max-running-requests", str(args.max_running_requests),
+                 *_pass(args, RANK_FLAGS, RANK_SWITCHES)]
+    if args.tp == 1:
+        ranks = [py, "-m", "model_runner.serve_rank", *rank_args]
+    else:
+        ranks = [py, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={args.tp}", "-m", "model_runner.serve_rank", *rank_args]
+    return {"scheduler": subprocess.Popen(sched, env=env),
+            "ranks": subprocess.Popen(ranks, env=env)}
+
+
+def wait_ready(args: argparse.Namespace, children: dict[str, subprocess.Popen]):
+    """Connect to the scheduler and wait for its ServerInfo, failing fast if a child dies."""
+    conn = ipc.connect(args.frontend_port, timeout=30)
+    deadline = time.monotonic() + args.startup_timeout
+    while not conn.poll(0.2):
+        dead = _dead_child(children)
+        if dead:
+            raise RuntimeError(f"{dead} before the server was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the ranks did not start within {args.startup_timeout:.0f} s")
+    info = ipc.recv(conn)
+    if not isinstance(info, ServerInfo):
+        raise RuntimeError(f"the scheduler sent {type(info).__name__} instead of ServerInfo")
+    return conn, info
+
+
+def _dead_child(children: dict[str, subprocess.Popen]) -> str | None:
+    for name, proc in children.items():
+        code = proc.poll()
+        if code is not None:
+            what = "the rank processes" if name == "ranks" else "the scheduler"
+            return f"{what} exited with code {code}"
+    return None
+
+
+def stop_children(children: dict[str, subprocess.Popen], conn) -> None:
+    if conn is not None:
+        try:
+            ipc.send(conn, Shutdown())
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10
+    for proc in children.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in children.values():
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
+    return (f"dasc-serve ready: http://{args.host}:{args.port} model={name} tp={info.tp_size} "
+            f"checkpoint_slots={info.num_checkpoint_slots} "
+            f"bytes_per_slot={info.checkpoint_bytes_per_slot} "
+            f"(dense {info.dense_bytes_per_slot}) wmax={info.w_max:g} "
+            f"load_policy={info.load_policy} prefix_cache={info.prefix_cache}")
+
+
+def serve(args: argparse.Namespace, conn, info: ServerInfo,
+          children: dict[str, subprocess.Popen]) -> int:
+    import uvicorn
+
+    from dasc_server.app import create_app
+    from dasc_server.engine_client import EngineClient
+    from model_runner.generate import load_tokenizer
+
+    name = args.served_model_name or Path(args.model).name
+    failure: list[str] = []
+    engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
+    app = create_app(engine, load_tokenizer(Path(args.model)), name)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+
+    def watch() -> None:
+        while not server.should_exit:
+            dead = _dead_child(children)
+            if dead:
+                _fail(failure, dead, server)
+            time.sleep(0.2)
+
+    async def run() -> None:
+        engine.start(asyncio.get_running_loop())
+        threading.Thread(target=watch, name="child-watch", daemon=True).start()
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(ready_line(args, info, name), flush=True)
+        await task
+
+    asyncio.run(run())
+    if failure:
+        print(f"error: {failure[0]}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _fail(failure: list[str], why: str, server) -> None:
+    if not failure:
+        failure.append(why)
+    server.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        validate(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    children = start_children(args)
+    conn = None
+    try:
+        conn, info = wait_ready(args, children)
+        return serve(args, conn, info, children)
+    except (RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_children(children, conn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

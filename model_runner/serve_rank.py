@@ -1,0 +1,181 @@
+"""One serving rank: ``python -m model_runner.serve_rank ...`` under torchrun (or alone at TP=1).
+
+The rank builds the runner, the selection plan and the checkpoint pool, then executes the
+``BatchPlan``s the scheduler sends.  Only rank 0 talks to the scheduler; it republishes each
+plan to the other ranks with a torch.distributed broadcast, so every rank runs the same plans in
+the same order (SPMD), and it alone samples and replies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from model_runner.batch import SeqInput
+from model_runner.compression.accounting import dense_slot_bytes, report_plan, slots_at_budget
+from model_runner.compression.checkpoint import CheckpointFormat
+from model_runner.compression.horizons import static_horizons
+from model_runner.compression.placement import placement_head_order
+from model_runner.compression.plan import ModelIdentity, SelectionPlan, dasc_plan, random_plan
+from model_runner.compression.weights import load_decay_params
+from model_runner.config import ModelConfig
+from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
+from model_runner.runner import ModelRunner, RunnerConfig
+from model_runner.sampling import sample_tokens
+from scheduler import ipc
+from scheduler.messages import BatchPlan, RankInfo, SeqStep, Shutdown, StepResult
+
+
+def add_rank_args(p: argparse.ArgumentParser) -> None:
+    """Flags the ranks need; ``dasc-serve`` declares the same ones and passes them through."""
+    g = p.add_argument_group("model and checkpoints (ranks)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    g.add_argument("--wmax", type=float, default=0.0,
+                   help="W_max of the selection plan; 0 = dense checkpoints (default)")
+    g.add_argument("--load-policy", choices=["nr", "wr"], default="nr",
+                   help="on a hit: zero-fill omitted units (nr) or refresh them by replaying "
+                        "the last W_wr cached tokens (wr)")
+    g.add_argument("--placement", choices=["off", "storage", "hybrid"], default="off",
+                   help="TP-balanced placement of the stored units")
+    g.add_argument("--int8-checkpoints", action="store_true", help="INT8 checkpoint payload")
+    g.add_argument("--selection", choices=["dasc", "random"], default="dasc",
+                   help="decay-aware selection, or the count-matched random control")
+    g.add_argument("--mask-seed", type=int, default=1234, help="seed of --selection random")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--state-budget-bytes", type=int, default=None,
+                      help="checkpoint memory per rank; slots = floor(B / worst-rank bytes per "
+                           "slot) - 1 (paper eq. 8)")
+    size.add_argument("--checkpoint-slots", type=int, default=None,
+                      help="number of checkpoint slots (default: 64)")
+
+
+def build_plan(args: argparse.Namespace, cfg: ModelConfig) -> SelectionPlan:
+    """Needs only the config and the decay weights, so hybrid placement can load the model in
+    the permuted head order the plan asks for."""
+    params = load_decay_params(args.model, cfg)
+    horizons = static_horizons(cfg, params)
+    plan = dasc_plan(ModelIdentity.of(cfg, params), horizons, args.wmax)
+    if args.selection == "random" and args.wmax > 0:
+        plan = random_plan(plan, horizons, args.mask_seed)
+    return plan
+
+
+def max_context_len(model_dir: str) -> int:
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(raw.get("max_position_embeddings") or raw.get("model_max_length") or 8192)
+
+
+def checkpoint_slots(args: argparse.Namespace, slot_bytes: int) -> int:
+    if args.checkpoint_slots is not None:
+        return args.checkpoint_slots
+    if args.state_budget_bytes is not None:
+        return slots_at_budget(args.state_budget_bytes, slot_bytes)
+    return 64
+
+
+def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    tp = init_tp_group(device)
+    cfg = ModelConfig.from_dir(args.model)
+    rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
+                      num_pages=args.max_total_tokens, page_size=1,
+                      num_state_slots=1 + 2 * args.max_running_requests)
+    plan = build_plan(args, cfg)
+    head_order = placement_head_order(plan, cfg, tp.size, args.placement)
+    runner = ModelRunner(rc, tp, head_order)
+    report = report_plan(plan, cfg, tp.size, int8=args.int8_checkpoints,
+                         placements=(args.placement,))
+    slot_bytes = report.placements[0].slot_bytes
+    num_slots = checkpoint_slots(args, slot_bytes)
+    if num_slots < 1:
+        raise ValueError(f"the state budget holds no checkpoint slot ({slot_bytes} bytes each)")
+    payload = "int8" if args.int8_checkpoints else "fp32"
+    runner.attach_checkpoints(plan, num_slots, CheckpointFormat(payload=payload,
+                                                                placement=args.placement))
+    info = RankInfo(cfg.architecture, tp.size, cfg.vocab_size, cfg.eos_token_id,
+                    max_context_len(args.model), num_slots, slot_bytes,
+                    dense_slot_bytes(cfg, tp.size), plan.refresh_window)
+    return runner, tp, info
+
+
+def execute(runner: ModelRunner, plan: BatchPlan) -> list[int]:
+    """Run one plan in the order BatchPlan documents; rank 0's sampled tokens."""
+    if plan.stores_before:
+        runner.store_checkpoints(*_unzip(plan.stores_before))
+    if plan.loads:
+        ckpt, active = _unzip(plan.loads)
+        runner.load_checkpoints(ckpt, active)
+    if plan.refresh:
+        runner.refresh_omitted([_seq(s) for s in plan.refresh], plan.refresh_scratch)
+    tokens: list[int] = []
+    if plan.seqs:
+        logits = runner.forward([_seq(s) for s in plan.seqs])
+        if runner.tp.is_first:
+            rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
+            if rows:
+                tokens = sample_tokens(logits[rows], [plan.seqs[i].sample for i in rows])
+    if plan.stores_after:
+        runner.store_checkpoints(*_unzip(plan.stores_after))
+    return tokens
+
+
+def _seq(s: SeqStep) -> SeqInput:
+    return SeqInput(s.token_ids, s.prefix_len, s.kv_rows, s.state_slot)
+
+
+def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
+    conn = None
+    if tp.is_first:
+        conn = ipc.connect(port)
+        ipc.send(conn, info)
+    while True:
+        msg = ipc.recv(conn) if tp.is_first else None
+        msg = tp.broadcast_object(msg)
+        if isinstance(msg, Shutdown):
+            return
+        started = time.perf_counter()
+        tokens = execute(runner, msg)
+        if tp.is_first:
+            ipc.send(conn, StepResult(msg.step_id, tokens, time.perf_counter() - started))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m model_runner.serve_rank",
+                                description="A dasc serving rank (started by dasc-serve).")
+    p.add_argument("--model", required=True)
+    p.add_argument("--scheduler-port", type=int, required=True)
+    p.add_argument("--max-total-tokens", type=int, required=True)
+    p.add_argument("--max-running-requests", type=int, required=True)
+    add_rank_args(p)
+    args, _ = p.parse_known_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank = os.environ.get("RANK", "0")
+    try:
+        runner, tp, info = start(args)
+        with torch.inference_mode():
+            serve(runner, tp, info, args.scheduler_port)
+    except (EOFError, ConnectionError):
+        return 0  # the scheduler went away: the server is stopping
+    except Exception as e:  # noqa: BLE001 - one line naming the rank, then a non-zero exit
+        print(f"error: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    shutdown_tp_group(tp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

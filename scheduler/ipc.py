@@ -1,0 +1,73 @@
+"""Transport between processes: ``multiprocessing.connection`` over loopback TCP.
+
+Why this transport: it is in the standard library (no broker, no extra dependency), it frames
+messages, and its ``authkey`` handshake (HMAC challenge) keeps other local users from talking to
+the scheduler.  Every connection is point to point (front end <-> scheduler <-> rank 0) and
+strictly ordered, which is all the engine needs.  Messages are the dataclasses of
+``scheduler.messages``, pickled; decoding goes through an unpickler that only builds those
+classes, so a peer can never make us import or call anything else.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import secrets
+import socket
+import time
+from multiprocessing.connection import Client, Connection, Listener
+
+from scheduler import messages
+
+AUTHKEY_ENV = "DASC_IPC_AUTHKEY"
+_ALLOWED = {cls.__name__: cls for cls in messages.MESSAGE_TYPES}
+
+
+class _MessageUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == messages.__name__ and name in _ALLOWED:
+            return _ALLOWED[name]
+        raise pickle.UnpicklingError(f"refusing to decode {module}.{name}")
+
+
+def send(conn: Connection, msg: object) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> object:
+    return _MessageUnpickler(io.BytesIO(conn.recv_bytes())).load()
+
+
+def new_authkey() -> str:
+    return secrets.token_hex(16)
+
+
+def authkey() -> bytes:
+    key = os.environ.get(AUTHKEY_ENV)
+    if not key:
+        raise RuntimeError(f"{AUTHKEY_ENV} is not set: processes must be started by dasc-serve")
+    return key.encode()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def listen(port: int, host: str = "127.0.0.1") -> Listener:
+    return Listener((host, port), authkey=authkey())
+
+
+def connect(port: int, host: str = "127.0.0.1", timeout: float = 60.0) -> Connection:
+    """Connect, retrying while the peer is still starting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client((host, port), authkey=authkey())
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not reach {host}:{port} within {timeout:.0f} s"
+                                   ) from None
+            time.sleep(0.05)

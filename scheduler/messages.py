@@ -1,0 +1,162 @@
+"""Typed messages between the three roles: front end <-> scheduler <-> rank 0 (-> other ranks).
+
+Plain dataclasses of ints, floats, strings and lists; no torch, so every role imports them.
+``scheduler.ipc`` moves them over ``multiprocessing.connection`` and refuses to decode anything
+that is not one of these classes (or a builtin container of scalars).
+
+Flow of one request: GenerateReq (front end) -> the scheduler plans BatchPlans -> rank 0 returns
+a StepResult per plan -> the scheduler sends TokenOut frames (front end) until one is finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ---- front end -> scheduler --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None: the scheduler draws one
+    stop_token_ids: list[int] = field(default_factory=list)  # generation ends after one of these
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class GenerateReq:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class AbortReq:
+    rid: str
+
+
+@dataclass(slots=True)
+class FlushCacheReq:
+    pass
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Sent by the launcher to the scheduler, and by the scheduler to the ranks."""
+
+
+# ---- scheduler -> front end --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TokenOut:
+    """New tokens of one request since its previous TokenOut; the last one has ``finished``."""
+
+    rid: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": why the request was refused
+
+
+@dataclass(slots=True)
+class FlushCacheDone:
+    ok: bool
+    message: str
+
+
+@dataclass(slots=True)
+class ServerInfo:
+    """What the scheduler tells the front end when everything is ready (and on request)."""
+
+    model: str
+    model_type: str
+    tp_size: int
+    vocab_size: int
+    eos_token_id: int | None
+    max_total_tokens: int
+    max_context_len: int
+    max_running_requests: int
+    num_checkpoint_slots: int
+    checkpoint_bytes_per_slot: int  # worst rank, as the budget counts it
+    dense_bytes_per_slot: int
+    w_max: float
+    load_policy: str
+    refresh_window: int
+    prefix_cache: bool
+
+
+# ---- scheduler <-> rank 0 ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RankInfo:
+    """Rank 0's start-up report: the byte accounting the scheduler sizes its pools with."""
+
+    model_type: str
+    tp_size: int
+    vocab_size: int
+    eos_token_id: int | None
+    max_context_len: int
+    num_checkpoint_slots: int
+    checkpoint_bytes_per_slot: int  # max over ranks
+    dense_bytes_per_slot: int  # max over ranks, W_max = 0
+    refresh_window: int  # dasc-wr replay length W_wr (0: nothing omitted)
+
+
+@dataclass(slots=True)
+class Sample:
+    """Sampling of the token that follows a sequence's last new token (rank 0 does it)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int  # with ``index``: one generator per (request, output position)
+    index: int
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence of a forward step: ``token_ids`` at positions [prefix_len, prefix_len + n);
+    ``kv_rows`` covers [0, prefix_len + n) (page size 1: one KV row per position)."""
+
+    token_ids: list[int]
+    prefix_len: int
+    kv_rows: list[int]
+    state_slot: int
+    sample: Sample | None = None
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """One step. Ranks execute it in this order, which is what makes slot reuse within a step
+    safe: (1) ``stores_before`` active -> checkpoint (states of requests finished last step),
+    (2) ``loads`` checkpoint -> active (hits), (3) ``refresh`` (dasc-wr replay into scratch
+    slots, read-only KV), (4) forward ``seqs``, (5) ``stores_after`` active -> checkpoint."""
+
+    step_id: int
+    stores_before: list[tuple[int, int]] = field(default_factory=list)  # (active, ckpt)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (ckpt, active)
+    refresh: list[SeqStep] = field(default_factory=list)  # state_slot = the request's slot
+    refresh_scratch: list[int] = field(default_factory=list)
+    seqs: list[SeqStep] = field(default_factory=list)
+    stores_after: list[tuple[int, int]] = field(default_factory=list)  # (active, ckpt)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    token_ids: list[int]  # one per sequence with a ``sample``, in plan order
+    compute_s: float  # rank 0's wall time for the step (store/load/refresh/forward/sample)
+    error: str | None = None  # the step failed on the ranks; the scheduler fails its requests
+
+
+MESSAGE_TYPES = (
+    SamplingParams, GenerateReq, AbortReq, FlushCacheReq, Shutdown, TokenOut, FlushCacheDone,
+    ServerInfo, RankInfo, Sample, SeqStep, BatchPlan, StepResult,
+)

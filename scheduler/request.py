@@ -1,0 +1,45 @@
+"""One request as the scheduler tracks it: tokens, KV rows, state slot and cache locks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.messages import SamplingParams
+from scheduler.radix_cache import Node
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    seed: int
+    output: list[int] = field(default_factory=list)
+    # KV rows of positions [0, len(rows)): [0, cached_len) belong to the tree (locked through
+    # ``node``), [cached_len, len(rows)) are the request's own, reserved at admission for every
+    # token it may process (prompt + max_tokens - 1).
+    rows: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    node: Node | None = None
+    slot: int = 0  # active state slot; holds the state after ``computed`` tokens
+    computed: int = 0
+    hit_len: int = 0  # tokens restored from the cache at admission (usage.cached_tokens)
+    pending_store: tuple[int, int] | None = None  # (boundary, checkpoint slot) of this step
+    finish_reason: str | None = None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def own_rows(self) -> list[int]:
+        return self.rows[self.cached_len :]
+
+    @property
+    def max_processed(self) -> int:
+        """Tokens the request may feed through the model: the last sampled one never is."""
+        return len(self.prompt) + self.sampling.max_tokens - 1

@@ -1,0 +1,283 @@
+"""Scheduling policy: admission, chunked prefill, continuous decode, checkpoint stores and loads.
+
+No I/O here: ``schedule()`` turns the queue into one ``BatchPlan`` and ``process_result()`` turns
+the ranks' sampled tokens into ``TokenOut`` frames, so the whole policy runs in tests without a
+model or a process.
+
+Checkpoint boundaries of a request (only where the tree has no checkpoint yet):
+    every multiple of ``checkpoint_interval`` inside the prompt, and prompt_len - 1: a hit must
+    leave one token to compute, so an exact repeat can only hit before its last token
+    (SGLang #21158); a prefill chunk always ends at the next such boundary.
+On finish the state after every processed token (prompt + output[:-1]) is cached too, so the
+next turn of a conversation hits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler.messages import BatchPlan, Sample, SamplingParams, SeqStep, StepResult, TokenOut
+from scheduler.pools import IndexPool
+from scheduler.radix_cache import RadixCache
+from scheduler.request import Req
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_total_tokens: int  # KV rows (page size 1)
+    max_running_requests: int  # active state slots
+    num_checkpoint_slots: int
+    max_context_len: int
+    vocab_size: int
+    eos_token_id: int | None = None
+    chunked_prefill_size: int = 2048  # new tokens per step, decodes included
+    checkpoint_interval: int = 256  # 0: prompt end only
+    prefix_cache: bool = True
+    cache_finished: bool = True
+    load_policy: str = "nr"  # "nr" | "wr"
+    refresh_window: int = 0
+
+    @property
+    def scratch_slot_base(self) -> int:
+        """Active slots: 0 reserved, [1, 1 + R) requests, [1 + R, 1 + 2R) wr scratch."""
+        return 1 + self.max_running_requests
+
+    @property
+    def num_state_slots(self) -> int:
+        return 1 + 2 * self.max_running_requests
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
+                                IndexPool(cfg.num_checkpoint_slots))
+        self.slots = IndexPool(cfg.max_running_requests, first=1)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._stores_before: list[tuple[int, int]] = []
+        self._inflight: list[tuple[Req, int, bool]] = []  # (request, new tokens, sampled)
+        self._step_id = 0
+        self._rng = random.Random(0)
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "loads_nr": 0, "loads_wr": 0,
+                      "refresh_tokens": 0, "checkpoints_stored": 0}
+
+    # ---- requests in ----------------------------------------------------------------------------
+    def add(self, rid: str, prompt: list[int], sampling: SamplingParams) -> TokenOut | None:
+        """Queue a request, or return the finished error frame that refuses it."""
+        error = self._check(prompt, sampling)
+        if error is not None:
+            return TokenOut(rid, [], True, "error", len(prompt), 0, error)
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        self.waiting.append(Req(rid, list(prompt), sampling, seed))
+        return None
+
+    def _check(self, prompt: list[int], s: SamplingParams) -> str | None:
+        cfg = self.cfg
+        if not prompt:
+            return "the prompt is empty"
+        if any(not 0 <= t < cfg.vocab_size for t in prompt):
+            return f"token ids must lie in [0, {cfg.vocab_size})"
+        if s.max_tokens < 1:
+            return "max_tokens must be at least 1"
+        total = len(prompt) + s.max_tokens
+        limit = min(cfg.max_context_len, cfg.max_total_tokens)
+        if total > limit:
+            return (f"prompt ({len(prompt)} tokens) + max_tokens ({s.max_tokens}) = {total} "
+                    f"exceeds the limit of {limit} tokens")
+        return None
+
+    def abort(self, rid: str) -> TokenOut | None:
+        """Drop a request between steps (no step is in flight when this runs)."""
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                return TokenOut(rid, [], True, "abort", len(r.prompt), 0)
+        for r in self.running:
+            if r.rid == rid:
+                self._finish(r, "abort")
+                return TokenOut(rid, [], True, "abort", len(r.prompt), r.hit_len)
+        return None
+
+    def flush(self) -> None:
+        self.cache.flush()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._stores_before)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> BatchPlan | None:
+        plan = BatchPlan(self._next_step_id(), stores_before=self._stores_before)
+        self._stores_before, self._inflight = [], []
+        budget = self.cfg.chunked_prefill_size
+        for r in self.running:
+            if not r.is_prefilling:
+                self._add_seq(plan, r, r.computed + 1)
+                budget -= 1
+        for r in self.running:
+            if r.is_prefilling and budget > 0:
+                budget -= self._add_chunk(plan, r, budget)
+        ckpt_locked = []
+        while self.waiting and budget > 0 and self._admit(self.waiting[0], plan):
+            r = self.waiting.popleft()
+            self.running.append(r)
+            if r.hit_len:
+                ckpt_locked.append(r.node)
+            budget -= self._add_chunk(plan, r, budget)
+        for r, _, _ in self._inflight:  # after every match: stores never feed this step's loads
+            self._plan_store(plan, r)
+        for node in ckpt_locked:
+            self.cache.unlock_ckpt(node)
+        if not plan.seqs and not plan.stores_before:
+            return None
+        return plan
+
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
+    def _admit(self, r: Req, plan: BatchPlan) -> bool:
+        """Match the prompt, lock the hit, reserve KV rows and an active slot."""
+        if self.slots.num_free == 0:
+            return False
+        cache = self.cache
+        hit = (cache.match(r.prompt, len(r.prompt) - 1) if self.cfg.prefix_cache
+               else cache.match([], 0))
+        cache.lock(hit.node)
+        rows = cache.alloc_rows(r.max_processed - hit.length)
+        if rows is None:
+            cache.unlock(hit.node)
+            return False
+        r.slot = self.slots.alloc(1)[0]
+        r.node, r.rows, r.cached_len = hit.node, hit.kv_rows + rows, hit.length
+        r.computed = r.hit_len = hit.length
+        self.stats["prompt_tokens"] += len(r.prompt)
+        self.stats["cached_tokens"] += hit.length
+        if hit.length:
+            cache.lock_ckpt(hit.node)
+            plan.loads.append((hit.node.ckpt, r.slot))
+            self._plan_refresh(plan, r)
+        return True
+
+    def _plan_refresh(self, plan: BatchPlan, r: Req) -> None:
+        """dasc-wr: replay the last W_wr tokens before the hit into a zero scratch slot."""
+        window = self.cfg.refresh_window
+        if self.cfg.load_policy != "wr" or window <= 0:
+            self.stats["loads_nr"] += 1
+            return
+        end = r.computed
+        start = max(0, end - window)
+        plan.refresh.append(SeqStep(r.prompt[start:end], start, r.rows[:end], r.slot))
+        plan.refresh_scratch.append(self.cfg.scratch_slot_base + len(plan.refresh_scratch))
+        self.stats["loads_wr"] += 1
+        self.stats["refresh_tokens"] += end - start
+
+    def _boundaries(self, r: Req) -> list[int]:
+        if not self.cfg.prefix_cache:
+            return []
+        n, every = len(r.prompt), self.cfg.checkpoint_interval
+        points = list(range(every, n - 1, every)) if every > 0 else []
+        return points + [n - 1] if n > 1 else points
+
+    def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
+        """Prefill up to ``budget`` tokens, ending at the next boundary that still needs a
+        checkpoint; returns the tokens taken."""
+        end = min(len(r.prompt), r.computed + budget)
+        for b in self._boundaries(r):
+            if r.computed < b < end and self.cache.ckpt_at(r.prompt[:b]) is None:
+                end = b
+                break
+        self._add_seq(plan, r, end)
+        return end - r.computed
+
+    def _add_seq(self, plan: BatchPlan, r: Req, end: int) -> None:
+        tokens = r.all_tokens
+        sample = None
+        if end == len(tokens):
+            s = r.sampling
+            sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output))
+        plan.seqs.append(SeqStep(tokens[r.computed : end], r.computed, r.rows[:end], r.slot,
+                                 sample))
+        self._inflight.append((r, end - r.computed, sample is not None))
+
+    def _plan_store(self, plan: BatchPlan, r: Req) -> None:
+        end = r.computed + next(n for q, n, _ in self._inflight if q is r)
+        if end not in self._boundaries(r) or self.cache.ckpt_at(r.prompt[:end]) is not None:
+            return
+        ckpt = self.cache.alloc_ckpt()
+        if ckpt is not None:
+            plan.stores_after.append((r.slot, ckpt))
+            r.pending_store = (end, ckpt)
+
+    # ---- results --------------------------------------------------------------------------------
+    def process_result(self, result: StepResult) -> list[TokenOut]:
+        outs: list[TokenOut] = []
+        sampled = iter(result.token_ids)
+        for r, n, is_sampled in self._inflight:
+            r.computed += n
+            if r.pending_store is not None:
+                end, ckpt = r.pending_store
+                r.pending_store = None
+                self._cache_prefix(r, end, ckpt)
+                self.stats["checkpoints_stored"] += 1
+            if not is_sampled:
+                continue
+            token = next(sampled)
+            r.output.append(token)
+            reason = self._finish_reason(r, token)
+            outs.append(TokenOut(r.rid, [token], reason is not None, reason, len(r.prompt),
+                                 r.hit_len))
+            if reason is not None:
+                self._finish(r, reason)
+        self._inflight = []
+        return outs
+
+    def _finish_reason(self, r: Req, token: int) -> str | None:
+        s = r.sampling
+        if (token == self.cfg.eos_token_id and not s.ignore_eos) or token in s.stop_token_ids:
+            return "stop"
+        return "length" if len(r.output) >= s.max_tokens else None
+
+    def _cache_prefix(self, r: Req, end: int, ckpt: int) -> bool:
+        """Hand [0, end) of the request to the tree with a checkpoint at ``end``; the request
+        keeps a lock on the new node and adopts the tree's rows.  False: the tree already had
+        a checkpoint there and ``ckpt`` went back to the pool."""
+        res = self.cache.insert(r.all_tokens[:end], r.rows[:end], ckpt)
+        if not res.ckpt_taken:
+            self.cache.ckpt_pool.free([ckpt])
+        if res.num_existing > r.cached_len:  # someone cached these tokens first: drop ours
+            self.cache.kv_pool.free(r.rows[r.cached_len : res.num_existing])
+        self.cache.lock(res.node)
+        self.cache.unlock(r.node)
+        r.rows = res.kv_rows + r.rows[end:]
+        r.node, r.cached_len = res.node, end
+        return res.ckpt_taken
+
+    def _finish(self, r: Req, reason: str) -> None:
+        r.finish_reason = reason
+        self.running.remove(r)
+        cache = self.cache
+        end = r.computed
+        if (reason != "abort" and self.cfg.prefix_cache and self.cfg.cache_finished
+                and end > r.cached_len and cache.ckpt_at(r.all_tokens[:end]) is None):
+            ckpt = cache.alloc_ckpt()
+            if ckpt is not None and self._cache_prefix(r, end, ckpt):
+                # written at the start of the next step, before any load can read it
+                self._stores_before.append((r.slot, ckpt))
+        cache.kv_pool.free(r.own_rows)
+        cache.unlock(r.node)
+        self.slots.free([r.slot])
+        r.node, r.rows = None, []
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every row and slot is free, cached in one node, or owned by one running request."""
+        rows = [x for r in self.running for x in r.own_rows]
+        ckpts = [r.pending_store[1] for r in self.running if r.pending_store is not None]
+        self.cache.check_integrity(rows, ckpts, [r.node for r in self.running], [])
+        held = [r.slot for r in self.running]
+        assert len(held) == len(set(held)) and not set(held) & self.slots.free_ids()
+        assert len(held) + self.slots.num_free == self.slots.size, "active slot leaked"
