@@ -98,13 +98,15 @@ class IncrementalDetokenizer:
         return text
 
     def _first_stop(self, text: str) -> int | None:
-        """Index of the earliest stop-string occurrence in ``text`` (records which one)."""
-        best: int | None = None
+        """Start of the stop string that completes first in ``text`` (ties: the one that starts
+        first), recording which one.  Ranking by end, not start, makes the cut independent of
+        how the ids were grouped into steps: generation would have ended at that end."""
+        best: tuple[int, int] | None = None
         for s in self.stop:
             i = text.find(s)
-            if i >= 0 and (best is None or i < best):
-                best, self.stop_string = i, s
-        return best
+            if i >= 0 and (best is None or (i + len(s), i) < best):
+                best, self.stop_string = (i + len(s), i), s
+        return None if best is None else best[1]
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest tail of ``text`` that a stop string starts with."""

@@ -213,6 +213,7 @@ class RadixCache:
 
     def _remove_leaf(self, leaf: Node) -> int:
         del leaf.parent.children[leaf.key[0]]
+        leaf.parent = None  # detached: evict_kv must not queue a node _prune already took
         self.kv_pool.free(leaf.value)
         if leaf.ckpt is not None:
             self.ckpt_pool.free([leaf.ckpt])

@@ -43,6 +43,10 @@ class Server:
         return r.json()
 
 
+    def flush(self) -> None:
+        httpx.post(f"{self.base_url}/flush_cache", timeout=60).raise_for_status()
+
+
 def _free_port() -> int:
     import socket
 
