@@ -10,13 +10,13 @@ iterator early (stop string matched, client gone) aborts the request at the sche
 iterator is closed with ``aclosing``: the abort goes out at once, not at garbage collection.
 
 Disconnects: for SSE, Starlette cancels the body iterator when the client leaves (it listens
-for ``http.disconnect`` under ASGI spec < 2.4, which uvicorn reports), which cancels the wait
-inside ``engine.generate``; for JSON responses a watcher task does the same.
+for ``http.disconnect`` under ASGI spec < 2.4, as uvicorn reports), which cancels the wait in
+``engine.generate``; for JSON responses a watcher task does the same.
 
-SSE frames are ``data: {json}\\n\\n`` and the stream ends with ``data: [DONE]\\n\\n``.  A chat
-stream carries ``role`` in its first chunk together with the first text rather than in a
-text-less chunk of its own, so a client timing its first chunk measures the first token.
-Without a tokenizer only token-id prompts work and every choice carries ``token_ids``.
+SSE frames are ``data: {json}\\n\\n``, ending with ``data: [DONE]\\n\\n``.  A chat stream sends
+``role`` with the first text, not in a text-less chunk of its own, so a client timing its first
+chunk measures the first token.  Without a tokenizer only token-id prompts work and every
+choice carries ``token_ids``.
 """
 
 from __future__ import annotations
@@ -225,21 +225,25 @@ def _sse_frame(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _choice(job: _Job, body: dict, finish_reason: str | None, token_ids: list[int],
+            with_prompt_ids: bool) -> dict:
+    choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+    if job.return_token_ids:
+        choice["token_ids"] = token_ids
+        if with_prompt_ids:
+            choice["prompt_token_ids"] = job.prompt_ids
+    return choice
+
+
 def _chunk(job: _Job, delta: _Delta, is_first: bool) -> dict:
-    choice: dict[str, Any] = {"index": 0}
     if job.is_chat:
         message: dict[str, str] = {"role": "assistant"} if is_first else {}
         if delta.text or is_first:
             message["content"] = delta.text
-        choice["delta"] = message
+        body: dict[str, Any] = {"delta": message}
     else:
-        choice["text"] = delta.text
-    choice["logprobs"] = None
-    choice["finish_reason"] = delta.finish_reason
-    if job.return_token_ids:
-        choice["token_ids"] = delta.token_ids
-        if is_first:
-            choice["prompt_token_ids"] = job.prompt_ids
+        body = {"text": delta.text}
+    choice = _choice(job, body, delta.finish_reason, delta.token_ids, with_prompt_ids=is_first)
     return {**job.envelope(chunk=True), "choices": [choice]}
 
 
@@ -273,16 +277,8 @@ async def _complete(engine: EngineClient, tokenizer: Any | None, job: _Job) -> d
             token_ids.extend(delta.token_ids)
             finish_reason = delta.finish_reason
     text = "".join(texts)
-    choice: dict[str, Any] = {"index": 0}
-    if job.is_chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    choice["logprobs"] = None
-    choice["finish_reason"] = finish_reason
-    if job.return_token_ids:
-        choice["token_ids"] = token_ids
-        choice["prompt_token_ids"] = job.prompt_ids
+    body = {"message": {"role": "assistant", "content": text}} if job.is_chat else {"text": text}
+    choice = _choice(job, body, finish_reason, token_ids, with_prompt_ids=True)
     return {**job.envelope(chunk=False), "choices": [choice], "usage": job.usage()}
 
 

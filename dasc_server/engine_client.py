@@ -21,6 +21,8 @@ from scheduler.messages import (
     GenerateReq,
     SamplingParams,
     ServerInfo,
+    Stats,
+    StatsReq,
     TokenOut,
 )
 
@@ -35,7 +37,7 @@ class EngineClient:
         self.conn, self.info, self.on_lost = conn, info, on_lost
         self._send_lock = threading.Lock()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._flush_waiters: list[asyncio.Future] = []
+        self._waiters: dict[type, list[asyncio.Future]] = {FlushCacheDone: [], Stats: []}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: str | None = None
@@ -70,9 +72,16 @@ class EngineClient:
                 self._send(AbortReq(rid))
 
     async def flush_cache(self) -> FlushCacheDone:
+        return await self._ask(FlushCacheReq(), FlushCacheDone)
+
+    async def stats(self) -> Stats:
+        return await self._ask(StatsReq(), Stats)
+
+    async def _ask(self, msg: object, reply: type):
+        """Replies of one kind come back in the order of the requests."""
         fut = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        self._send(FlushCacheReq())
+        self._waiters[reply].append(fut)
+        self._send(msg)
         return await fut
 
     def _send(self, msg: object) -> None:
@@ -95,8 +104,8 @@ class EngineClient:
             queue = self._queues.get(msg.rid)
             if queue is not None:
                 queue.put_nowait(msg)
-        elif isinstance(msg, FlushCacheDone) and self._flush_waiters:
-            fut = self._flush_waiters.pop(0)
+        elif self._waiters.get(type(msg)):
+            fut = self._waiters[type(msg)].pop(0)
             if not fut.done():
                 fut.set_result(msg)
 
@@ -104,7 +113,7 @@ class EngineClient:
         self.dead = reason
         for queue in self._queues.values():
             queue.put_nowait(EngineDead(reason))
-        for fut in self._flush_waiters:
+        for fut in (f for waiting in self._waiters.values() for f in waiting):
             if not fut.done():
                 fut.set_exception(EngineDead(reason))
         if self.on_lost is not None:

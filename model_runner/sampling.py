@@ -13,13 +13,15 @@ from scheduler.messages import Sample
 _MIX = 0x9E3779B97F4A7C15
 
 
-def sample_tokens(logits: torch.Tensor, specs: list[Sample]) -> list[int]:
-    """logits [B, vocab] (one row per spec) -> one token per row."""
+def sample_tokens(logits: torch.Tensor, specs: list[Sample]) -> tuple[list[int], list[float]]:
+    """logits [B, vocab] (one row per spec) -> one token per row and its log-probability
+    under the model's distribution (temperature 1, no truncation), as OpenAI reports it."""
     greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for row, spec, best in zip(logits, specs, greedy):
-        out.append(best if spec.temperature <= 0 else _sample_row(row, spec))
-    return out
+    tokens = [best if spec.temperature <= 0 else _sample_row(row, spec)
+              for row, spec, best in zip(logits, specs, greedy)]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, vocab]
+    picked = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+    return tokens, picked.squeeze(1).tolist()
 
 
 def _sample_row(row: torch.Tensor, spec: Sample) -> int:

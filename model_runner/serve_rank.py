@@ -108,8 +108,8 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
     return runner, tp, info
 
 
-def execute(runner: ModelRunner, plan: BatchPlan) -> list[int]:
-    """Run one plan in the order BatchPlan documents; rank 0's sampled tokens."""
+def execute(runner: ModelRunner, plan: BatchPlan) -> tuple[list[int], list[float]]:
+    """Run one plan in the order BatchPlan documents; rank 0's sampled tokens, logprobs."""
     if plan.stores_before:
         runner.store_checkpoints(*_unzip(plan.stores_before))
     if plan.loads:
@@ -118,15 +118,17 @@ def execute(runner: ModelRunner, plan: BatchPlan) -> list[int]:
     if plan.refresh:
         runner.refresh_omitted([_seq(s) for s in plan.refresh], plan.refresh_scratch)
     tokens: list[int] = []
+    logprobs: list[float] = []
     if plan.seqs:
         logits = runner.forward([_seq(s) for s in plan.seqs])
         if runner.tp.is_first:
             rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
             if rows:
-                tokens = sample_tokens(logits[rows], [plan.seqs[i].sample for i in rows])
+                specs = [plan.seqs[i].sample for i in rows]
+                tokens, logprobs = sample_tokens(logits[rows], specs)
     if plan.stores_after:
         runner.store_checkpoints(*_unzip(plan.stores_after))
-    return tokens
+    return tokens, logprobs
 
 
 def _seq(s: SeqStep) -> SeqInput:
@@ -148,9 +150,10 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         if isinstance(msg, Shutdown):
             return
         started = time.perf_counter()
-        tokens = execute(runner, msg)
+        tokens, logprobs = execute(runner, msg)
         if tp.is_first:
-            ipc.send(conn, StepResult(msg.step_id, tokens, time.perf_counter() - started))
+            ipc.send(conn, StepResult(msg.step_id, tokens, time.perf_counter() - started,
+                                      logprobs))
 
 
 def main(argv: list[str] | None = None) -> int:

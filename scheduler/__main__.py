@@ -21,6 +21,8 @@ from scheduler.messages import (
     RankInfo,
     ServerInfo,
     Shutdown,
+    Stats,
+    StatsReq,
     StepResult,
 )
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -54,19 +56,33 @@ class SchedulerProcess:
         while True:
             if not self._take_messages(block=not self.sched.has_work):
                 return
+            started = time.perf_counter()
             plan = self.sched.schedule()
             if plan is None:
                 continue
-            started = time.perf_counter()
             ipc.send(self.rank, plan)
             result = ipc.recv(self.rank)
             if not isinstance(result, StepResult) or result.step_id != plan.step_id:
                 raise RuntimeError(f"rank 0 answered step {plan.step_id} with {result!r}")
+            for out in self.sched.process_result(result):
+                ipc.send(self.front, out)
             self.step_s += time.perf_counter() - started
             self.compute_s += result.compute_s
             self.num_steps += 1
-            for out in self.sched.process_result(result):
-                ipc.send(self.front, out)
+
+    def stats(self) -> Stats:
+        sched, cache = self.sched, self.sched.cache
+        try:
+            sched.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"failed: {e}"
+        counters = dict(sched.stats, kv_evicted_rows=cache.num_kv_evicted,
+                        checkpoints_evicted=cache.num_ckpt_evicted)
+        return Stats(cache.kv_pool.size, cache.kv_pool.num_free, cache.num_cached_rows,
+                     cache.ckpt_pool.size, cache.ckpt_pool.num_free, cache.num_cached_ckpts,
+                     len(sched.running), len(sched.waiting), counters, self.num_steps,
+                     self.step_s, self.compute_s, integrity)
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every waiting message; False when the server is stopping."""
@@ -83,6 +99,8 @@ class SchedulerProcess:
             elif isinstance(msg, FlushCacheReq):
                 self.sched.flush()
                 ipc.send(self.front, FlushCacheDone(True, "cache flushed"))
+            elif isinstance(msg, StatsReq):
+                ipc.send(self.front, self.stats())
             elif isinstance(msg, Shutdown):
                 return False
         if block:

@@ -44,6 +44,11 @@ class FlushCacheReq:
 
 
 @dataclass(slots=True)
+class StatsReq:
+    pass
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Sent by the launcher to the scheduler, and by the scheduler to the ranks."""
 
@@ -57,6 +62,7 @@ class TokenOut:
 
     rid: str
     token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # one per token, model distribution
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
@@ -68,6 +74,26 @@ class TokenOut:
 class FlushCacheDone:
     ok: bool
     message: str
+
+
+@dataclass(slots=True)
+class Stats:
+    """Scheduler counters and pool occupancy; ``integrity`` is the result of a fresh
+    ``check_integrity`` ("ok" or the failed assertion)."""
+
+    kv_rows_total: int
+    kv_rows_free: int
+    kv_rows_cached: int
+    checkpoint_slots_total: int
+    checkpoint_slots_free: int
+    checkpoint_slots_cached: int
+    num_running: int
+    num_waiting: int
+    counters: dict[str, int]  # prompt/cached tokens, loads by policy, stores, evictions
+    num_steps: int
+    step_s: float  # scheduler wall time of all steps: plan, IPC, ranks, results out
+    compute_s: float  # rank 0's share of it
+    integrity: str
 
 
 @dataclass(slots=True)
@@ -153,10 +179,11 @@ class StepResult:
     step_id: int
     token_ids: list[int]  # one per sequence with a ``sample``, in plan order
     compute_s: float  # rank 0's wall time for the step (store/load/refresh/forward/sample)
-    error: str | None = None  # the step failed on the ranks; the scheduler fails its requests
+    logprobs: list[float] = field(default_factory=list)  # of each sampled token, temperature 1
 
 
 MESSAGE_TYPES = (
-    SamplingParams, GenerateReq, AbortReq, FlushCacheReq, Shutdown, TokenOut, FlushCacheDone,
+    SamplingParams, GenerateReq, AbortReq, FlushCacheReq, StatsReq, Shutdown, TokenOut,
+    FlushCacheDone, Stats,
     ServerInfo, RankInfo, Sample, SeqStep, BatchPlan, StepResult,
 )

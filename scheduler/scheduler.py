@@ -69,7 +69,8 @@ class Scheduler:
         """Queue a request, or return the finished error frame that refuses it."""
         error = self._check(prompt, sampling)
         if error is not None:
-            return TokenOut(rid, [], True, "error", len(prompt), 0, error)
+            return TokenOut(rid, [], finished=True, finish_reason="error",
+                            prompt_tokens=len(prompt), error=error)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         self.waiting.append(Req(rid, list(prompt), sampling, seed))
         return None
@@ -94,11 +95,13 @@ class Scheduler:
         for r in self.waiting:
             if r.rid == rid:
                 self.waiting.remove(r)
-                return TokenOut(rid, [], True, "abort", len(r.prompt), 0)
+                return TokenOut(rid, [], finished=True, finish_reason="abort",
+                                prompt_tokens=len(r.prompt))
         for r in self.running:
             if r.rid == rid:
                 self._finish(r, "abort")
-                return TokenOut(rid, [], True, "abort", len(r.prompt), r.hit_len)
+                return TokenOut(rid, [], finished=True, finish_reason="abort",
+                                prompt_tokens=len(r.prompt), cached_tokens=r.hit_len)
         return None
 
     def flush(self) -> None:
@@ -215,7 +218,8 @@ class Scheduler:
     # ---- results --------------------------------------------------------------------------------
     def process_result(self, result: StepResult) -> list[TokenOut]:
         outs: list[TokenOut] = []
-        sampled = iter(result.token_ids)
+        logprobs = result.logprobs or [0.0] * len(result.token_ids)
+        sampled = iter(zip(result.token_ids, logprobs))
         for r, n, is_sampled in self._inflight:
             r.computed += n
             if r.pending_store is not None:
@@ -225,11 +229,12 @@ class Scheduler:
                 self.stats["checkpoints_stored"] += 1
             if not is_sampled:
                 continue
-            token = next(sampled)
+            token, logprob = next(sampled)
             r.output.append(token)
             reason = self._finish_reason(r, token)
-            outs.append(TokenOut(r.rid, [token], reason is not None, reason, len(r.prompt),
-                                 r.hit_len))
+            outs.append(TokenOut(r.rid, [token], [logprob], finished=reason is not None,
+                                 finish_reason=reason, prompt_tokens=len(r.prompt),
+                                 cached_tokens=r.hit_len))
             if reason is not None:
                 self._finish(r, reason)
         self._inflight = []
