@@ -63,6 +63,7 @@ class _Job:
     stop: list[str]
     return_token_ids: bool
     include_usage: bool
+    logprobs: bool
     created: int
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
@@ -87,6 +88,7 @@ class _Job:
 class _Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[float]
     finish_reason: str | None  # set on the last delta only
 
 
@@ -139,7 +141,8 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str) -> 
         return _Job(is_chat=is_chat, rid=engine.new_rid(), model=model_name,
                     prompt_ids=prompt_ids, sampling=sampling, stop=req.stop_strings,
                     return_token_ids=req.return_token_ids or tokenizer is None,
-                    include_usage=req.include_usage, created=int(time.time()))
+                    include_usage=req.include_usage, created=int(time.time()),
+                    logprobs=not is_chat and req.logprobs is not None)
 
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request
                     ) -> Response:
@@ -175,6 +178,14 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str) -> 
     @app.get("/server_info")
     async def server_info() -> dict:
         return asdict(engine.info)
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        """Pool occupancy, counters, step timing and a fresh integrity check (JSON)."""
+        try:
+            return asdict(await engine.stats())
+        except (EngineDead, OSError) as e:
+            raise _engine_down(str(e)) from e
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
@@ -214,7 +225,7 @@ async def _deltas(engine: EngineClient, tokenizer: Any | None, job: _Job
                     finish = "stop"  # leaving the loop aborts the rest at the scheduler
                 elif out.finished:
                     finish = out.finish_reason or "stop"
-                yield _Delta(text, list(out.token_ids), finish)
+                yield _Delta(text, list(out.token_ids), list(out.logprobs), finish)
                 if finish is not None:
                     return
     except (EngineDead, OSError) as e:
@@ -226,8 +237,14 @@ def _sse_frame(obj: dict) -> str:
 
 
 def _choice(job: _Job, body: dict, finish_reason: str | None, token_ids: list[int],
-            with_prompt_ids: bool) -> dict:
-    choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+            logprobs: list[float], with_prompt_ids: bool) -> dict:
+    """``logprobs`` (completions, ``logprobs: 0``): the generated tokens' log-probabilities
+    under the model (temperature 1); tokens are given by id as strings when no tokenizer."""
+    report = None
+    if job.logprobs:
+        report = {"tokens": [str(t) for t in token_ids], "token_logprobs": logprobs,
+                  "top_logprobs": None, "text_offset": None}
+    choice = {"index": 0, **body, "logprobs": report, "finish_reason": finish_reason}
     if job.return_token_ids:
         choice["token_ids"] = token_ids
         if with_prompt_ids:
@@ -243,7 +260,8 @@ def _chunk(job: _Job, delta: _Delta, is_first: bool) -> dict:
         body: dict[str, Any] = {"delta": message}
     else:
         body = {"text": delta.text}
-    choice = _choice(job, body, delta.finish_reason, delta.token_ids, with_prompt_ids=is_first)
+    choice = _choice(job, body, delta.finish_reason, delta.token_ids, delta.logprobs,
+                     with_prompt_ids=is_first)
     return {**job.envelope(chunk=True), "choices": [choice]}
 
 
@@ -270,15 +288,17 @@ async def _sse(engine: EngineClient, tokenizer: Any | None, job: _Job) -> AsyncI
 async def _complete(engine: EngineClient, tokenizer: Any | None, job: _Job) -> dict:
     texts: list[str] = []
     token_ids: list[int] = []
+    logprobs: list[float] = []
     finish_reason = None
     async with aclosing(_deltas(engine, tokenizer, job)) as deltas:
         async for delta in deltas:
             texts.append(delta.text)
             token_ids.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs)
             finish_reason = delta.finish_reason
     text = "".join(texts)
     body = {"message": {"role": "assistant", "content": text}} if job.is_chat else {"text": text}
-    choice = _choice(job, body, finish_reason, token_ids, with_prompt_ids=True)
+    choice = _choice(job, body, finish_reason, token_ids, logprobs, with_prompt_ids=True)
     return {**job.envelope(chunk=False), "choices": [choice], "usage": job.usage()}
 
 

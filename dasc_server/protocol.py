@@ -131,8 +131,9 @@ class CompletionRequest(_GenerationRequest):
     def _no_unsupported(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
+        if self.logprobs not in (None, 0):
+            raise ValueError("only logprobs=0 is supported: the log-probability of each "
+                             "generated token, without alternatives")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

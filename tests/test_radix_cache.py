@@ -61,7 +61,7 @@ def check(cache: RadixCache, locked: list[Node] = (), ckpt_locked: list[Node] = 
     cache.check_integrity([], [], list(locked), list(ckpt_locked))
 
 
-# ---- match ----------------------------------------------------------------------------------------
+# ---- match ---------------------------------------------------------------------------------------
 
 
 def test_match_returns_deepest_checkpoint_within_max_len_and_exactly_its_rows():
@@ -115,7 +115,7 @@ def test_any_length_prompt_end_checkpoint_hits(n):
     check(cache)
 
 
-# ---- insert / split ---------------------------------------------------------------------------------
+# ---- insert / split ------------------------------------------------------------------------------
 
 
 def test_split_by_diverging_insert_gives_the_new_parent_no_checkpoint():
@@ -194,7 +194,7 @@ def test_insert_gives_a_checkpoint_to_a_tombstone():
     check(cache)
 
 
-# ---- tombstones and reclaiming ----------------------------------------------------------------------
+# ---- tombstones and reclaiming -------------------------------------------------------------------
 
 
 def test_evicted_checkpoint_with_children_leaves_a_tombstone_with_its_kv():
@@ -399,7 +399,7 @@ def test_unbalanced_unlocks_raise():
         cache.unlock_ckpt(node)
 
 
-# ---- seeded random operation sequences ----------------------------------------------------------
+# ---- seeded random operation sequences -----------------------------------------------------------
 
 
 def prefix_hashes(tokens: list[int]) -> list[int]:

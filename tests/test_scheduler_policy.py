@@ -150,16 +150,14 @@ class FakeRanks:
         self.check_tree()
 
     def check_tree(self) -> None:
-        """Every cached row and checkpoint holds exactly its path (stores of finished requests
-        are still pending until the next plan, so their slots are skipped)."""
-        pending = {c for _, c in self.s._stores_before}
+        """After a plan ran, every cached row and checkpoint holds exactly its path."""
         stack = [([], self.s.cache.root)]
         while stack:
             path, node = stack.pop()
             if path:
                 hs = prefix_hashes(path)
                 assert [self.row[x] for x in self.s.cache.rows_to(node)] == hs
-                if node.ckpt is not None and node.ckpt not in pending:
+                if node.ckpt is not None:
                     assert self.ckpt[node.ckpt] == (len(path), hs[-1])
             stack.extend((path + child.key, child) for child in node.children.values())
 
@@ -247,12 +245,12 @@ def assert_drained(s: Scheduler) -> None:
     assert cache.ckpt_pool.num_free == cache.ckpt_pool.size
 
 
-def greedy_tokens(seed: int = 0):
+def random_tokens(seed: int = 0):
     rng = random.Random(seed)
     return lambda q: rng.randrange(1, 64)
 
 
-# ---- seeded random workloads ------------------------------------------------------------------
+# ---- seeded random workloads ---------------------------------------------------------------------
 
 
 CONFIGS = [
@@ -316,7 +314,7 @@ def test_random_workload(cfg, seed):
             s.check_integrity()
         if s.has_work:
             assert loop.step() is not None, "work left but nothing schedulable"
-        for rid, r in list(loop.reqs.items()):
+        for rid in list(loop.reqs):
             if loop.outs[rid] and loop.outs[rid][-1].finished:
                 done[rid] = loop.reqs.pop(rid)
         assert len(s.running) <= s.cfg.max_running_requests
@@ -352,7 +350,7 @@ def test_random_workload(cfg, seed):
     assert_drained(s)
 
 
-# ---- targeted policy tests --------------------------------------------------------------------
+# ---- targeted policy tests -----------------------------------------------------------------------
 
 
 def run_one(loop: Loop, rid: str, prompt: list[int], max_tokens: int) -> BatchPlan:
@@ -371,7 +369,7 @@ def prompt_of(n: int, seed: int = 1) -> list[int]:
 @pytest.mark.parametrize("n", [2, 5, 21, 37])
 def test_exact_repeat_hits_one_token_early_and_tail_of_one_is_sampled(n):
     s = make(checkpoint_interval=8)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     prompt = prompt_of(n)
     run_one(loop, "a", prompt, 3)
     assert loop.final("a").cached_tokens == 0
@@ -386,7 +384,7 @@ def test_exact_repeat_hits_one_token_early_and_tail_of_one_is_sampled(n):
 
 def test_prompt_shorter_than_the_interval_hits_on_repeat():
     s = make(checkpoint_interval=64)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     prompt = prompt_of(6)
     run_one(loop, "a", prompt, 1)
     run_one(loop, "b", prompt, 1)
@@ -395,7 +393,7 @@ def test_prompt_shorter_than_the_interval_hits_on_repeat():
 
 def test_second_turn_hits_at_the_processed_length_of_the_first():
     s = make(checkpoint_interval=8)
-    loop = Loop(s, greedy_tokens(3))
+    loop = Loop(s, random_tokens(3))
     prompt = prompt_of(19)
     run_one(loop, "t1", prompt, 5)
     out1 = loop.output("t1")
@@ -412,7 +410,7 @@ def test_shared_prefix_hits_at_the_interval_grid():
     """SGLang #28222: requests sharing a prefix hit at the last grid point inside it."""
     every = 8
     s = make(checkpoint_interval=every)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     shared, tail_a, tail_b = prompt_of(29), prompt_of(11, seed=2), prompt_of(5, seed=3)
     assert tail_a[0] != tail_b[0]
     run_one(loop, "a", shared + tail_a, 2)
@@ -422,7 +420,7 @@ def test_shared_prefix_hits_at_the_interval_grid():
 
 def test_no_prefix_cache_matches_and_stores_nothing():
     s = make(prefix_cache=False)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     prompt = prompt_of(30)
     run_one(loop, "a", prompt, 3)
     run_one(loop, "b", prompt, 3)
@@ -436,7 +434,7 @@ def test_no_prefix_cache_matches_and_stores_nothing():
 @pytest.mark.parametrize("window,hit_len", [(4, 20), (50, 20), (1, 3)])
 def test_wr_hit_plans_a_refresh_into_a_scratch_slot(window, hit_len):
     s = make(load_policy="wr", refresh_window=window, checkpoint_interval=0)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     prompt = prompt_of(hit_len + 1)
     run_one(loop, "a", prompt, 1)
     plan = run_one(loop, "b", prompt, 2)
@@ -451,7 +449,7 @@ def test_wr_hit_plans_a_refresh_into_a_scratch_slot(window, hit_len):
 
 def test_nr_plans_no_refresh():
     s = make(load_policy="nr", refresh_window=8)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     run_one(loop, "a", prompt_of(20), 1)
     plan = run_one(loop, "b", prompt_of(20), 1)
     assert plan.loads and not plan.refresh and not plan.refresh_scratch
@@ -463,7 +461,7 @@ def test_more_requests_than_capacity_wait_and_all_finish(pressure):
           "rows": dict(max_total_tokens=60, max_running_requests=8),
           "ckpts": dict(num_checkpoint_slots=1, max_running_requests=8)}[pressure]
     s = make(**kw)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     num = 12
     for i in range(num):
         assert loop.add(f"r{i}", prompt_of(13 + 3 * i, seed=i % 4)[: 50 - 8], 8) is None
@@ -487,7 +485,7 @@ def test_consumed_checkpoint_survives_stores_planned_in_the_same_step():
     """One checkpoint slot: a hit locks it, so the store its own chunk wants gets nothing
     rather than evicting (and overwriting) the state being loaded in the same step."""
     s = make(num_checkpoint_slots=1, checkpoint_interval=0, cache_finished=False)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     prompt = prompt_of(17)
     run_one(loop, "a", prompt, 1)
     (cached,) = tree_ckpts(s)
@@ -505,7 +503,7 @@ def test_consumed_checkpoint_survives_stores_planned_in_the_same_step():
 
 def test_abort_waiting_and_running_requests():
     s = make(max_running_requests=1)
-    loop = Loop(s, greedy_tokens())
+    loop = Loop(s, random_tokens())
     loop.add("run", prompt_of(30), 5)
     loop.add("wait", prompt_of(12, seed=4), 5)
     loop.step()
@@ -538,7 +536,7 @@ def test_requests_that_can_never_fit_are_refused_at_add():
     assert s.add("ok", prompt_of(78), SamplingParams(max_tokens=2)) is None  # at the limit
 
 
-# ---- torch-free import ------------------------------------------------------------------------
+# ---- torch-free import ---------------------------------------------------------------------------
 
 
 def test_scheduler_imports_no_torch():

@@ -4,6 +4,9 @@ as the offline ``dasc-eval`` arm on the same prompt and W_max, so greedy tokens 
 Server protocol: send the context alone (max_tokens 1); when it finishes, the state after the
 whole context is checkpointed (finished-request caching).  Then context + question hits at
 exactly len(context), and the question runs on the compressed-then-restored state.
+Greedy tokens alone cannot tell the arms apart on these models (the needle is read from the
+full-attention KV), so the log-probabilities of the generated tokens are compared too: they
+match the offline arm to float precision and differ from the dense arm's.
 """
 
 from __future__ import annotations
@@ -14,18 +17,20 @@ from serving import KIMI, QWEN, running_server
 from loadgen.offline_eval import apply_arm, prepare_arm
 from loadgen.tasks import make_instances
 from model_runner.batch import SeqInput
-from model_runner.engine import decode_until
+import torch
 from model_runner.runner import ModelRunner, RunnerConfig
 
-W_MAX = 16
 NUM_TOKENS = 8
-CASES = [("nr@16", KIMI, []), ("wr@16", KIMI, ["--load-policy", "wr"]),
-         ("nr-int8@16", QWEN, ["--int8-checkpoints"]), ("wr@16", QWEN, ["--load-policy", "wr"])]
+# (arm, model, server flags, the arm it must be told apart from)
+CASES = [("nr@128", KIMI, [], "dense"), ("wr@128", KIMI, ["--load-policy", "wr"], "nr@128"),
+         ("nr-int8@16", KIMI, ["--int8-checkpoints"], "dense"),
+         ("nr@512", QWEN, [], "dense"), ("wr@512", QWEN, ["--load-policy", "wr"], "nr@512")]
 
 
-def offline_arm(model_dir, arm: str, context: list[int], question: list[int]) -> list[int]:
+def offline_arm(model_dir, arm: str, context: list[int], question: list[int]
+                ) -> tuple[list[int], list[float]]:
     """What ``dasc-eval`` computes for one instance: prefill the context, apply the arm's
-    store/load (and refresh), prefill the question, decode greedily."""
+    store/load (and refresh), prefill the question, decode greedily; tokens and logprobs."""
     rc = RunnerConfig(str(model_dir), num_pages=64, page_size=16, num_state_slots=3)
     runner = ModelRunner(rc)
     prepare_arm(runner, arm, batch=1)
@@ -33,18 +38,35 @@ def offline_arm(model_dir, arm: str, context: list[int], question: list[int]) ->
     runner.forward([seq])
     seq.prefix_len, seq.token_ids = len(context), question
     apply_arm(runner, [seq], arm, [context])
-    return decode_until(runner, [seq], runner.forward([seq]), NUM_TOKENS, set())[0]
+    tokens, logprobs = [], []
+    for _ in range(NUM_TOKENS):
+        logp = torch.log_softmax(runner.forward([seq])[0].float(), dim=-1)
+        tokens.append(int(logp.argmax()))
+        logprobs.append(float(logp[tokens[-1]]))
+        seq.prefix_len, seq.token_ids = seq.prefix_len + len(seq.token_ids), tokens[-1:]
+    return tokens, logprobs
 
 
-@pytest.mark.parametrize("arm,model,flags", CASES,
-                         ids=[f"{a}-{m.name.split('-')[0]}" for a, m, _ in CASES])
-def test_hit_equals_the_offline_eval_arm(arm, model, flags):
+@pytest.mark.parametrize("arm,model,flags,other", CASES,
+                         ids=[f"{a}-{m.name.split('-')[0]}" for a, m, _, _ in CASES])
+def test_hit_equals_the_offline_eval_arm(arm, model, flags, other):
+    w_max = arm.partition("@")[2]
     insts = make_instances("s1", 512, 2, seed=5) + make_instances("mk1", 512, 1, seed=5)
-    with running_server("--model", str(model), "--wmax", str(W_MAX), "--checkpoint-interval",
+    with running_server("--model", str(model), "--wmax", w_max, "--checkpoint-interval",
                         "0", *flags) as server:
         for inst in insts:
             context, question = list(inst.context.encode()), list(inst.question.encode())
             server.complete(context, max_tokens=1)
-            body = server.complete(context + question, max_tokens=NUM_TOKENS, ignore_eos=True)
+            body = server.complete(context + question, max_tokens=NUM_TOKENS, ignore_eos=True,
+                                   logprobs=0)
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(context)
-            assert body["choices"][0]["token_ids"] == offline_arm(model, arm, context, question)
+            choice = body["choices"][0]
+            tokens, logprobs = offline_arm(model, arm, context, question)
+            assert choice["token_ids"] == tokens
+            served = torch.tensor(choice["logprobs"]["token_logprobs"])
+            _, alternative = offline_arm(model, other, context, question)
+            to_arm = (served - torch.tensor(logprobs)).abs().max()
+            to_other = (served - torch.tensor(alternative)).abs().max()
+            # measured: to_arm <= 3e-7 (float noise of a different prefill chunking),
+            # to_other >= 3.6e-5
+            assert to_arm < 1e-5 and 10 * to_arm < to_other, (to_arm, to_other)
