@@ -12,12 +12,12 @@ match the offline arm to float precision and differ from the dense arm's.
 from __future__ import annotations
 
 import pytest
+import torch
 from serving import KIMI, QWEN, running_server
 
 from loadgen.offline_eval import apply_arm, prepare_arm
 from loadgen.tasks import make_instances
 from model_runner.batch import SeqInput
-import torch
 from model_runner.runner import ModelRunner, RunnerConfig
 
 NUM_TOKENS = 8
