@@ -1,105 +1,10 @@
-"""Real dasc-serve processes for tests: free port, own process group, killed in teardown.
-
-``running_server(*flags)`` starts ``python -m dasc_server.launch --port <free> *flags`` in a new
-session, waits for its ready line and ``/health``, yields a ``Server`` and, whatever happens,
-kills the whole process group (launcher, scheduler, torchrun, ranks) on exit.
-"""
+"""Real dasc-serve processes for tests (``dasc_server.spawn``) and the built-in model paths."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from dasc_server.spawn import ROOT, Server, running_server
 
-import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "model_runner" / "assets"
 KIMI, QWEN = ASSETS / "kimi-linear-tiny", ASSETS / "qwen3-next-tiny"
 
-
-@dataclass
-class Server:
-    base_url: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def complete(self, prompt: str | list[int], max_tokens: int = 8, **extra) -> dict:
-        """Non-streaming greedy completion with token ids; raises on an HTTP error."""
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "return_token_ids": True, **extra}
-        r = httpx.post(f"{self.base_url}/v1/completions", json=body, timeout=120)
-        r.raise_for_status()
-        return r.json()
-
-
-    def flush(self) -> None:
-        httpx.post(f"{self.base_url}/flush_cache", timeout=60).raise_for_status()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_server(*flags: str, timeout: float = 180.0) -> Iterator[Server]:
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="dasc-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "dasc_server.launch", "--port", str(port), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", proc, Path(log.name))
-    try:
-        _wait_ready(server, timeout)
-        yield server
-    finally:
-        _kill_group(proc)
-        log.close()
-
-
-def _wait_ready(server: Server, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise AssertionError(f"dasc-serve exited with {server.proc.returncode}:\n"
-                                 f"{server.log()[-4000:]}")
-        if "dasc-serve ready" in server.log():
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    raise AssertionError(f"dasc-serve not ready after {timeout:.0f} s:\n{server.log()[-4000:]}")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the group (a clean stop), then SIGKILL whatever is left of it."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+__all__ = ["KIMI", "QWEN", "Server", "running_server"]

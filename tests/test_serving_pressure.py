@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 from serving import KIMI, running_server
 from test_serving_exact import Reference
 
@@ -44,7 +43,7 @@ def test_overload_waits_evicts_and_stays_exact():
             bodies = list(pool.map(send, jobs))
         for body, want in zip(bodies, expected):
             assert body["choices"][0]["token_ids"] == want
-        stats = httpx.get(f"{server.base_url}/v1/stats", timeout=30).json()
+        stats = server.stats()
     assert stats["integrity"] == "ok"
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["kv_rows_free"] + stats["kv_rows_cached"] == stats["kv_rows_total"]

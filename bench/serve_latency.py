@@ -1,0 +1,110 @@
+"""Serving latency on a real dasc-serve: TTFT of a prefix hit vs a miss, and the scheduler's and
+IPC's share of a decode step.
+
+    python bench/serve_latency.py [--model DIR] [--tp 1 2] [--prefix-len 2048] [--suffix-len 32]
+                                  [--reps 5] [--batch 8] [--decode-tokens 64]
+
+TTFT is measured client-side, from sending the request to the first SSE frame with text.  A miss
+is prefix_i + suffix_a on a flushed cache; the hit is prefix_i + suffix_b right after it (the
+prefix checkpoint sits on the --checkpoint-interval grid).  The decode share comes from the
+scheduler's own clock: 1 - (rank 0's step time) / (scheduler's whole step: plan, IPC, ranks,
+results), over a window where ``--batch`` requests decode together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dasc_server.spawn import running_server  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_runner/assets/kimi-linear-tiny"
+
+
+def text_ids(rng: random.Random, n: int) -> list[int]:
+    words = ["green", "sky", "river", "stone", "code", "seven", "night", "blue", "paper"]
+    out: list[int] = []
+    while len(out) < n:
+        out += list((rng.choice(words) + " ").encode())
+    return out[:n]
+
+
+def stream_ttft(base_url: str, prompt: list[int], max_tokens: int = 1) -> tuple[float, int]:
+    """(TTFT in ms, cached tokens) of one streaming request."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    ttft, cached = None, -1
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            frame = json.loads(line[6:])
+            if ttft is None and frame["choices"] and frame["choices"][0].get("token_ids"):
+                ttft = (time.perf_counter() - start) * 1e3
+            if frame.get("usage"):
+                cached = frame["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return ttft, cached
+
+
+def hit_vs_miss(server, args) -> dict:
+    rng = random.Random(0)
+    miss, hit = [], []
+    for _ in range(args.reps):
+        prefix = text_ids(rng, args.prefix_len)
+        server.flush()
+        t_miss, c_miss = stream_ttft(server.base_url, prefix + text_ids(rng, args.suffix_len))
+        t_hit, c_hit = stream_ttft(server.base_url, prefix + text_ids(rng, args.suffix_len))
+        assert c_miss == 0 and c_hit >= args.prefix_len, (c_miss, c_hit)
+        miss.append(t_miss)
+        hit.append(t_hit)
+    m, h = statistics.median(miss), statistics.median(hit)
+    return {"ttft_miss_ms": round(m, 1), "ttft_hit_ms": round(h, 1),
+            "hit_over_miss": round(h / m, 3)}
+
+
+def decode_share(server, args) -> dict:
+    rng = random.Random(1)
+    prompts = [text_ids(rng, 64) for _ in range(args.batch)]
+    before = server.stats()
+    with ThreadPoolExecutor(args.batch) as pool:
+        list(pool.map(lambda p: stream_ttft(server.base_url, p, args.decode_tokens), prompts))
+    after = server.stats()
+    steps = after["num_steps"] - before["num_steps"]
+    step_s = after["step_s"] - before["step_s"]
+    compute_s = after["compute_s"] - before["compute_s"]
+    return {"steps": steps, "step_ms": round(1e3 * step_s / steps, 2),
+            "rank_ms": round(1e3 * compute_s / steps, 2),
+            "scheduler_ipc_share": round(1 - compute_s / step_s, 3)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    args = p.parse_args()
+    for tp in args.tp:
+        with running_server("--model", args.model, "--tp", str(tp)) as server:
+            row = {"tp": tp, **hit_vs_miss(server, args), **decode_share(server, args)}
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
