@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -164,12 +165,13 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     from dasc_server.engine_client import EngineClient
     from model_runner.generate import load_tokenizer
 
+    _Server = _server_class()
     name = args.served_model_name or Path(args.model).name
     failure: list[str] = []
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
     app = create_app(engine, load_tokenizer(Path(args.model)), name)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                    timeout_graceful_shutdown=5))
 
     def watch() -> None:
         while not server.should_exit:
@@ -195,6 +197,24 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     return 0
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a caught SIGINT/SIGTERM once it has shut down, which would kill
+        this process before it stops the scheduler and the ranks; here a signal is a stop."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM before the front end runs: unwind through stop_children
+
+
 def _fail(failure: list[str], why: str, server) -> None:
     if not failure:
         failure.append(why)
@@ -208,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _interrupt)
     children = start_children(args)
     conn = None
     try:

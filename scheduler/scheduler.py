@@ -218,8 +218,7 @@ class Scheduler:
     # ---- results --------------------------------------------------------------------------------
     def process_result(self, result: StepResult) -> list[TokenOut]:
         outs: list[TokenOut] = []
-        logprobs = result.logprobs or [0.0] * len(result.token_ids)
-        sampled = iter(zip(result.token_ids, logprobs))
+        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
         for r, n, is_sampled in self._inflight:
             r.computed += n
             if r.pending_store is not None:

@@ -208,7 +208,7 @@ class Loop:
         self.ranks.execute(plan)
         running = list(s.running)
         tokens = [self.token_fn(q) for q in plan.seqs if q.sample is not None]
-        outs = s.process_result(StepResult(plan.step_id, tokens, compute_s=0.0))
+        outs = s.process_result(StepResult(plan.step_id, tokens, 0.0, [0.0] * len(tokens)))
         s.check_integrity()
         for o in outs:
             self.outs[o.rid].append(o)

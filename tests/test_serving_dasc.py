@@ -24,7 +24,11 @@ NUM_TOKENS = 8
 # (arm, model, server flags, the arm it must be told apart from)
 CASES = [("nr@128", KIMI, [], "dense"), ("wr@128", KIMI, ["--load-policy", "wr"], "nr@128"),
          ("nr-int8@16", KIMI, ["--int8-checkpoints"], "dense"),
-         ("nr@512", QWEN, [], "dense"), ("wr@512", QWEN, ["--load-policy", "wr"], "nr@512")]
+         ("nr@512", QWEN, [], "dense"), ("wr@512", QWEN, ["--load-policy", "wr"], "nr@512"),
+         # TP=2 with TP-balanced placement (permuted heads + storage all-to-all) vs TP=1 offline
+         ("nr@128", KIMI, ["--tp", "2", "--placement", "hybrid"], "dense"),
+         ("wr@512", QWEN, ["--tp", "2", "--placement", "storage", "--load-policy", "wr"],
+          "nr@512")]
 
 
 def offline_arm(model_dir, arm: str, context: list[int], question: list[int]
@@ -48,7 +52,8 @@ def offline_arm(model_dir, arm: str, context: list[int], question: list[int]
 
 
 @pytest.mark.parametrize("arm,model,flags,other", CASES,
-                         ids=[f"{a}-{m.name.split('-')[0]}" for a, m, _, _ in CASES])
+                         ids=[f"{a}-{m.name.split('-')[0]}{'-tp2' if '--tp' in f else ''}"
+                              for a, m, f, _ in CASES])
 def test_hit_equals_the_offline_eval_arm(arm, model, flags, other):
     w_max = arm.partition("@")[2]
     insts = make_instances("s1", 512, 2, seed=5) + make_instances("mk1", 512, 1, seed=5)

@@ -1,0 +1,413 @@
+"""The HTTP API of a real dasc-serve as clients meet it: the official ``openai`` client unchanged,
+the raw SSE wire format, incremental UTF-8 detokenisation, stop strings, seeded sampling, error
+bodies, the admin routes, client disconnects, and a model folder without a tokenizer.
+
+Whenever a request ends early (stop string, client gone) the scheduler must abort the rest: it
+goes idle within a bounded wait, having run far fewer steps than the request asked for, with a
+passing integrity check and every pool row / checkpoint slot either free or cached.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from serving import KIMI, running_server
+
+from model_runner.generate import load_tokenizer
+
+MODEL_NAME = KIMI.name  # the default model, served under its folder name
+VOCAB_SIZE, EOS, MAX_CONTEXT = 264, 258, 8192
+REPLACEMENT_CHAR = "\ufffd"
+LONG = 4000  # max_tokens of requests that must end early: a full run takes ~LONG steps
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())  # the built-in byte tokenizer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server.base_url
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(KIMI)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def post(url: str, path: str, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+def complete(url: str, body: dict, path: str = "/v1/completions") -> dict:
+    r = post(url, path, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_payloads(url: str, body: dict, path: str = "/v1/completions") -> list[str]:
+    """The payloads of a streamed answer, checking the framing: ``data: <payload>\\n\\n`` only,
+    the last one ``[DONE]`` (returned without it)."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("\n\n"), raw[-200:]
+    frames = raw.split("\n\n")[:-1]
+    for frame in frames:
+        assert frame.startswith("data: ") and "\n" not in frame, frame
+    payloads = [f.removeprefix("data: ") for f in frames]
+    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
+    return payloads[:-1]
+
+
+def stream_chunks(url: str, body: dict, path: str = "/v1/completions") -> list[dict]:
+    return [json.loads(p) for p in sse_payloads(url, body, path)]
+
+
+def stats(url: str) -> dict:
+    r = httpx.get(url + "/v1/stats", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict:
+    """Poll until nothing runs or waits (bounded); then the pools must balance."""
+    deadline = time.monotonic() + timeout
+    while (s := stats(url))["num_running"] or s["num_waiting"]:
+        assert time.monotonic() < deadline, f"still busy after {timeout:.0f} s: {s}"
+        time.sleep(0.05)
+    assert s["integrity"] == "ok", s["integrity"]
+    assert s["kv_rows_free"] + s["kv_rows_cached"] == s["kv_rows_total"], s
+    assert s["checkpoint_slots_free"] + s["checkpoint_slots_cached"] == \
+        s["checkpoint_slots_total"], s
+    return s
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+# ---- the official openai client ----------------------------------------------------------------
+
+
+def test_openai_models_list(oai):
+    assert [m.id for m in oai.models.list().data] == [MODEL_NAME]
+
+
+def test_openai_completions(oai, tokenizer):
+    prompt = "The grass is green. The sky is"
+    full = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    choice = full.choices[0]
+    token_ids = choice.model_extra["token_ids"]
+    assert choice.text and choice.text == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert choice.model_extra["prompt_token_ids"] == ids(prompt)
+    usage = full.usage
+    assert usage.completion_tokens == len(token_ids) and 1 <= len(token_ids) <= 12
+    assert usage.prompt_tokens == len(ids(prompt))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    chunks = list(oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    *texts, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert "".join(c.choices[0].text for c in texts) == choice.text
+    assert texts[-1].choices[0].finish_reason == choice.finish_reason
+    assert last.usage.completion_tokens == usage.completion_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+
+
+def test_openai_chat_completions(oai):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What colour is the sky?"}]
+    full = oai.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+
+    chunks = list(oai.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                              max_tokens=12, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True},
+                                              stream_options={"include_usage": True}))
+    *deltas, last = chunks
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == message.content
+    assert deltas[-1].choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens > 0
+
+
+# ---- the wire format ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,prompt", [
+    ("/v1/completions", {"prompt": "Here we go.\nvalue of kqzvb:"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}]}),
+], ids=["completions", "chat"])
+def test_sse_frames_and_stream_equals_json(url, path, prompt):
+    body = {**prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    whole = complete(url, body, path)["choices"][0]
+    chunks = stream_chunks(url, {**body, "stream_options": {"include_usage": True}}, path)
+    *deltas, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(
+        whole["token_ids"])
+    assert all(len(c["choices"]) == 1 for c in deltas)
+    choices = [c["choices"][0] for c in deltas]
+    assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+    assert choices[-1]["finish_reason"] == whole["finish_reason"]
+    assert choices[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert sum((c["token_ids"] for c in choices), []) == whole["token_ids"]
+    if "messages" in prompt:
+        text = "".join(c["delta"].get("content", "") for c in choices)
+        assert choices[0]["delta"]["role"] == "assistant"
+        assert text == whole["message"]["content"]
+    else:
+        assert "".join(c["text"] for c in choices) == whole["text"]
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_stream_without_usage_option_has_no_usage_frame(url):
+    chunks = stream_chunks(url, {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+
+
+def test_streamed_text_is_the_decode_of_the_streamed_ids(url, tokenizer):
+    """Near-uniform sampling emits arbitrary bytes: lone continuation bytes, split multi-byte
+    characters, special ids.  Text may only leave once final, so the concatenated deltas equal
+    one decode of all ids, and a delta shows U+FFFD only if the whole decode has one."""
+    saw_split_char = False
+    prompts = [ids("héllo wörld, 日本語: "), ids("日本")[:-1]]  # the second ends mid-character
+    for seed in range(4):
+        body = {"prompt": prompts[seed % 2], "max_tokens": 160, "temperature": 100.0,
+                "seed": seed, "ignore_eos": True, "return_token_ids": True}
+        choices = [c["choices"][0] for c in stream_chunks(url, body)]
+        token_ids = sum((c["token_ids"] for c in choices), [])
+        assert len(token_ids) == 160
+        decoded = tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert "".join(c["text"] for c in choices) == decoded
+        if REPLACEMENT_CHAR not in decoded:
+            assert all(REPLACEMENT_CHAR not in c["text"] for c in choices)
+        saw_split_char |= any(ord(ch) > 127 and ch != REPLACEMENT_CHAR for ch in decoded)
+    assert saw_split_char, "no valid multi-byte character was sampled: the check proves little"
+    greedy = {"prompt": ids("The grass is green."), "max_tokens": 32, "temperature": 0,
+              "return_token_ids": True}
+    choices = [c["choices"][0] for c in stream_chunks(url, greedy)]
+    decoded = tokenizer.decode(sum((c["token_ids"] for c in choices), []),
+                               skip_special_tokens=True)
+    assert REPLACEMENT_CHAR not in decoded and "".join(c["text"] for c in choices) == decoded
+
+
+# ---- request semantics -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_stop_string_cuts_the_text_and_aborts_the_rest(url, stream):
+    prompt = f"The sky is blue. mdrte: 90318. Here we go ({stream}).\nvalue of"
+    base = {"prompt": prompt, "temperature": 0, "ignore_eos": True}
+    text = complete(url, {**base, "max_tokens": 40})["choices"][0]["text"]
+    # a 3-character piece that first occurs at its own position, well inside the text
+    start = next(i for i in range(8, 30) if text.find(text[i:i + 3]) == i)
+    stop = text[start:start + 3]
+    before = wait_idle(url)["num_steps"]
+    body = {**base, "max_tokens": LONG, "stop": [stop]}
+    if stream:
+        choices = [c["choices"][0] for c in stream_chunks(url, body)]
+        got, finish = "".join(c["text"] for c in choices), choices[-1]["finish_reason"]
+    else:
+        choice = complete(url, body)["choices"][0]
+        got, finish = choice["text"], choice["finish_reason"]
+    assert (got, finish) == (text[:start], "stop")
+    assert wait_idle(url)["num_steps"] - before < LONG // 4, "the rest was not aborted"
+    assert complete(url, {**base, "max_tokens": 40})["choices"][0]["text"] == text
+
+
+def test_return_token_ids_and_max_tokens(url):
+    prompt = "héllo, wörld"
+    body = complete(url, {"prompt": prompt, "max_tokens": 7, "temperature": 0.7, "seed": 5,
+                          "ignore_eos": True, "return_token_ids": True})
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == ids(prompt) and choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 7 and body["usage"]["completion_tokens"] == 7
+    assert all(0 <= t < VOCAB_SIZE for t in choice["token_ids"])
+    chat = complete(url, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                          "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+                    "/v1/chat/completions")["choices"][0]
+    assert chat["prompt_token_ids"] == ids("user: Hi\nassistant:")  # the built-in template
+    assert len(chat["token_ids"]) == 3 and chat["finish_reason"] == "length"
+    plain = complete(url, {"prompt": prompt, "max_tokens": 2})["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_seeded_sampling_repeats_alone_and_in_a_batch(url):
+    def run(prompt: str, seed: int | None, temperature: float = 1.0) -> list[int]:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": temperature, "seed": seed,
+                "ignore_eos": True, "return_token_ids": True}
+        return complete(url, body)["choices"][0]["token_ids"]
+
+    prompt = "Facts to remember. The grass is"
+    first = run(prompt, 1234)
+    assert run(prompt, 1234) == first
+    assert run(prompt, 4321) != first and run(prompt, None, 0.0) != first  # the seed matters
+    others = [(f"Other prompt number {i}: ", 99 + i, 1.0) for i in range(5)] + [
+        ("Greedy neighbour ", None, 0.0)]
+    jobs = [(prompt, 1234, 1.0), *others, (prompt, 1234, 1.0)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: run(*job), jobs))
+    assert results[0] == results[-1] == first
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+BAD_REQUESTS = {
+    "empty-prompt": ({"prompt": ""}, 400, "prompt"),
+    "token-outside-vocab": ({"prompt": [65, 300]}, 400, "prompt"),
+    "max-tokens-0": ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    "negative-temperature": ({"prompt": "a", "temperature": -0.5}, 400, "temperature"),
+    "top-p-0": ({"prompt": "a", "top_p": 0}, 400, "top_p"),
+    "n-2": ({"prompt": "a", "n": 2}, 400, "n"),
+    "unknown-model": ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    "beyond-context": ({"prompt": [65] * 8000, "max_tokens": 500}, 400, "prompt"),
+    "stream-outside-vocab": ({"prompt": [300], "stream": True}, 400, "prompt"),
+    "chat-no-messages": ({"messages": []}, 400, "messages"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS) + ["invalid-json"])
+def test_errors_are_openai_bodies_and_the_server_keeps_serving(url, name):
+    if name == "invalid-json":
+        r = httpx.post(url + "/v1/completions", content=b'{"prompt": "a",',
+                       headers={"content-type": "application/json"}, timeout=30)
+        status, param = 400, None
+    else:
+        body, status, param = BAD_REQUESTS[name]
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = post(url, path, body)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    if name == "beyond-context":
+        assert error["code"] == "context_length_exceeded" and str(MAX_CONTEXT) in error["message"]
+    if name == "token-outside-vocab":
+        assert "300" in error["message"]
+    assert complete(url, {"prompt": "still there?", "max_tokens": 2})["choices"][0]["text"]
+
+
+# ---- admin routes ------------------------------------------------------------------------------
+
+
+def test_health_models_and_server_info(url):
+    assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+    models = httpx.get(url + "/v1/models", timeout=30).json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL_NAME, MAX_CONTEXT)]
+    info = httpx.get(url + "/server_info", timeout=30).json()
+    assert (info["vocab_size"], info["eos_token_id"], info["max_context_len"]) == (
+        VOCAB_SIZE, EOS, MAX_CONTEXT)
+    assert info["tp_size"] == 1 and info["prefix_cache"] is True
+
+
+def test_flush_cache_forgets_every_prefix(url):
+    body = {"prompt": "A prompt to flush away, long enough to checkpoint.", "max_tokens": 3,
+            "temperature": 0, "return_token_ids": True}
+    first = complete(url, body)
+    assert cached_tokens(complete(url, body)) > 0
+    r = httpx.post(url + "/flush_cache", timeout=60)
+    assert r.status_code == 200 and r.json()["ok"] is True
+    s = wait_idle(url)
+    assert s["kv_rows_free"] == s["kv_rows_total"]
+    assert s["checkpoint_slots_free"] == s["checkpoint_slots_total"]
+    again = complete(url, body)
+    assert cached_tokens(again) == 0
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert cached_tokens(complete(url, body)) > 0
+
+
+# ---- disconnects -------------------------------------------------------------------------------
+
+
+def test_client_leaving_a_stream_aborts_its_request(url):
+    before = wait_idle(url)["num_steps"]
+    body = {"prompt": "Tell me a long story.", "max_tokens": LONG, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        payloads = (line for line in r.iter_lines() if line.startswith("data: "))
+        assert [json.loads(next(payloads)[6:])["choices"] for _ in range(2)]
+    assert wait_idle(url)["num_steps"] - before < LONG // 4, "the request ran on"
+    assert complete(url, {"prompt": "next", "max_tokens": 2})["choices"][0]["finish_reason"]
+
+
+def test_client_leaving_a_json_request_aborts_it(url):
+    before = wait_idle(url)["num_steps"]
+    body = {"prompt": "Another long story.", "max_tokens": LONG, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(url, "/v1/completions", body, timeout=httpx.Timeout(30, read=1.0))
+    assert wait_idle(url)["num_steps"] - before < LONG // 4, "the request ran on"
+
+
+# ---- a model folder without a tokenizer --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_url(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bare") / "bare-model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(KIMI / name, folder / name)
+    with running_server("--model", str(folder)) as s:
+        yield s.base_url
+
+
+def test_tokenizerless_server_takes_token_ids(url, bare_url):
+    body = {"prompt": ids("The grass is green."), "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    choice = complete(bare_url, body)["choices"][0]
+    assert choice["text"] == "" and len(choice["token_ids"]) == 6
+    assert choice["prompt_token_ids"] == body["prompt"]
+    # the same weights behind a tokenizer give the same tokens
+    with_tok = complete(url, {**body, "return_token_ids": True})["choices"][0]
+    assert with_tok["token_ids"] == choice["token_ids"]
+    choices = [c["choices"][0] for c in stream_chunks(bare_url, body)]
+    assert sum((c["token_ids"] for c in choices), []) == choice["token_ids"]
+    assert all(c["text"] == "" for c in choices)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "text"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": [65, 66], "stop": ["x"]}),
+], ids=["text-prompt", "chat", "stop-string"])
+def test_tokenizerless_server_refuses_text(bare_url, path, body):
+    r = post(bare_url, path, body)
+    assert r.status_code == 400, r.text
+    assert "tokenizer" in r.json()["error"]["message"]
+    assert complete(bare_url, {"prompt": [65], "max_tokens": 1})["choices"][0]["token_ids"]

@@ -1,0 +1,69 @@
+"""dasc-serve as one command: SIGTERM stops every process it started; a rank that dies ends
+the server with a non-zero exit naming the ranks; bad arguments fail before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from serving import KIMI, running_server
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"dasc-serve still running after {timeout} s")
+
+
+def test_sigterm_stops_every_process_and_exits_zero():
+    with running_server("--model", str(KIMI), "--tp", "2") as server:
+        assert server.complete([65, 66, 67], max_tokens=2)["choices"][0]["token_ids"]
+        assert len(children_of(server.proc.pid)) == 2  # scheduler + torchrun
+        server.proc.send_signal(signal.SIGTERM)  # the launcher only, not its group
+        assert wait_exit(server.proc, 20) == 0
+        deadline = time.monotonic() + 10
+        while group_alive(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(server.proc.pid), "a child outlived dasc-serve"
+
+
+def test_a_dead_rank_ends_the_server_with_an_error():
+    with running_server("--model", str(KIMI)) as server:
+        launcher = server.proc.pid
+        ranks = [p for p in children_of(launcher)
+                 if "serve_rank" in open(f"/proc/{p}/cmdline").read()]
+        assert len(ranks) == 1
+        started = time.monotonic()
+        os.kill(ranks[0], signal.SIGKILL)
+        assert wait_exit(server.proc, 10) != 0
+        assert time.monotonic() - started < 10
+        assert "error: the rank processes exited" in server.log()
+
+
+def test_bad_arguments_fail_before_anything_starts(tmp_path):
+    cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(tmp_path), "--port", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and "config.json" in proc.stderr
+    proc = subprocess.run([*cmd[:-4], "--model", str(KIMI), "--tp", "3"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "error: " in proc.stderr
