@@ -69,7 +69,7 @@ class EngineClient:
         finally:
             self._queues.pop(rid, None)
             if not finished and self.dead is None:
-                pass
+                self._send(AbortReq(rid))
 
     async def flush_cache(self) -> FlushCacheDone:
         return await self._ask(FlushCacheReq(), FlushCacheDone)
