@@ -46,6 +46,11 @@ class EngineClient:
         self._loop = loop
         threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
 
+    @property
+    def num_active(self) -> int:
+        """Requests sent to the scheduler and not finished yet."""
+        return len(self._queues)
+
     def new_rid(self) -> str:
         return f"req-{next(self._ids)}"
 

@@ -49,6 +49,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds to wait for the ranks to load the model")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds to let in-flight requests finish")
+    p.add_argument("--api-key", default=os.environ.get("DASC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DASC_API_KEY; none)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting beyond --max-running-requests; more get 503")
+    g = p.add_argument_group("multi-node (passed to torchrun; node 0 runs the front end and "
+                             "the scheduler, other nodes only their ranks)")
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0)
+    g.add_argument("--master-addr", default="127.0.0.1")
+    g.add_argument("--master-port", type=int, default=29500)
     add_rank_args(p)
     add_scheduler_args(p)
     return p.parse_args(argv)
@@ -70,6 +85,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--checkpoint-interval and --wmax must be >= 0")
     if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
         raise ValueError("--checkpoint-slots must be at least 1")
+    if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
+                         f"--node-rank must lie in [0, {args.nnodes})")
 
 
 def _pass(args: argparse.Namespace, flags: tuple[str, ...], switches: tuple[str, ...]
@@ -96,13 +114,22 @@ def start_children(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
                  "--max-total-tokens", str(args.max_total_tokens),
                  "--max-running-requests", str(args.max_running_requests),
                  *_pass(args, RANK_FLAGS, RANK_SWITCHES)]
-    if args.tp == 1:
-        ranks = [py, "-m", "model_runner.serve_rank", *rank_args]
-    else:
-        ranks = [py, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={args.tp}", "-m", "model_runner.serve_rank", *rank_args]
+    ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", *rank_args]
+    if args.node_rank > 0:
+        return {"ranks": subprocess.Popen(ranks, env=env)}
     return {"scheduler": subprocess.Popen(sched, env=env),
             "ranks": subprocess.Popen(ranks, env=env)}
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """``python -m`` arguments that start this node's ranks (plain process at TP=1)."""
+    if args.tp == 1:
+        return []
+    if args.nnodes == 1:
+        return ["torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}", "-m"]
+    return ["torch.distributed.run", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+            f"--nproc-per-node={args.tp // args.nnodes}", f"--master-addr={args.master_addr}",
+            f"--master-port={args.master_port}", "-m"]
 
 
 def wait_ready(args: argparse.Namespace, children: dict[str, subprocess.Popen]):
@@ -161,7 +188,7 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
           children: dict[str, subprocess.Popen]) -> int:
     import uvicorn
 
-    from dasc_server.app import create_app
+    from dasc_server.app import FrontEndOptions, create_app
     from dasc_server.engine_client import EngineClient
     from model_runner.generate import load_tokenizer
 
@@ -169,9 +196,10 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     name = args.served_model_name or Path(args.model).name
     failure: list[str] = []
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
-    app = create_app(engine, load_tokenizer(Path(args.model)), name)
+    options = FrontEndOptions(args.api_key, args.max_request_bytes, args.max_queued_requests)
+    app = create_app(engine, load_tokenizer(Path(args.model)), name, options)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                    timeout_graceful_shutdown=5))
+                                    timeout_graceful_shutdown=args.shutdown_timeout))
 
     def watch() -> None:
         while not server.should_exit:
@@ -215,6 +243,19 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM before the front end runs: unwind through stop_children
 
 
+def run_worker_node(ranks: subprocess.Popen) -> int:
+    """A node other than 0 only hosts ranks; they end when node 0's scheduler stops them."""
+    print(f"dasc-serve worker node: ranks started (pid {ranks.pid})", flush=True)
+    try:
+        code = ranks.wait()
+    except KeyboardInterrupt:
+        stop_children({"ranks": ranks}, None)
+        return 0
+    if code != 0:
+        print(f"error: the rank processes exited with code {code}", file=sys.stderr)
+    return code
+
+
 def _fail(failure: list[str], why: str, server) -> None:
     if not failure:
         failure.append(why)
@@ -230,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
     children = start_children(args)
+    if args.node_rank > 0:
+        return run_worker_node(children["ranks"])
     conn = None
     try:
         conn, info = wait_ready(args, children)

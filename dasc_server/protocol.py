@@ -24,10 +24,12 @@ class RequestError(Exception):
     """A request refused before or while it runs; rendered by ``error_body``."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 type: str = INVALID_REQUEST, code: str | None = None):
+                 type: str = INVALID_REQUEST, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = (
             message, param, status, type, code)
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, param=self.param, type=self.type, code=self.code)

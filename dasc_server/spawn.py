@@ -86,15 +86,14 @@ def _wait_ready(server: Server, timeout: float) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the group (a clean stop), then SIGKILL whatever is left of it."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        pass
+    """SIGTERM the launcher (it stops its children in order, as for a user's stop), then
+    SIGKILL whatever is left of its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -162,6 +162,16 @@ def test_openai_chat_completions(oai):
     assert last.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_openai_errors_become_its_exceptions(oai):
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        oai.completions.create(model=MODEL_NAME, prompt=[65, 300], max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        oai.chat.completions.create(model="no-such-model", max_tokens=2,
+                                    messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oai.completions.create(model=MODEL_NAME, prompt="a", max_tokens=0, stream=True)
+
+
 # ---- the wire format ---------------------------------------------------------------------------
 
 
