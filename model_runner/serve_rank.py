@@ -145,7 +145,7 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         conn = ipc.connect(port)
         ipc.send(conn, info)
     while True:
-        msg = ipc.recv(conn) if tp.is_first else None
+        msg = _next_plan(conn) if tp.is_first else None
         msg = tp.broadcast_object(msg)
         if isinstance(msg, Shutdown):
             return
@@ -154,6 +154,15 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         if tp.is_first:
             ipc.send(conn, StepResult(msg.step_id, tokens, time.perf_counter() - started,
                                       logprobs))
+
+
+def _next_plan(conn) -> object:
+    """The scheduler's next message; its loss stops every rank in step (no rank is left
+    waiting in a collective)."""
+    try:
+        return ipc.recv(conn)
+    except (EOFError, OSError):
+        return Shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,24 @@ def test_a_dead_rank_ends_the_server_with_an_error():
         assert "error: the rank processes exited" in server.log()
 
 
+def test_a_dead_scheduler_ends_the_server_and_its_ranks():
+    with running_server("--model", str(KIMI), "--tp", "2") as server:
+        scheduler = [p for p in children_of(server.proc.pid)
+                     if "-m\0scheduler" in open(f"/proc/{p}/cmdline").read()]
+        assert len(scheduler) == 1
+        started = time.monotonic()
+        os.kill(scheduler[0], signal.SIGKILL)
+        assert wait_exit(server.proc, 10) != 0
+        assert time.monotonic() - started < 10
+        log = server.log()
+        assert "error: the scheduler exited" in log or "error: lost the scheduler" in log
+        assert "Traceback" not in log  # the ranks stop in step, without a collective error
+        deadline = time.monotonic() + 10
+        while group_alive(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(server.proc.pid), "a rank outlived the scheduler"
+
+
 def test_bad_arguments_fail_before_anything_starts(tmp_path):
     cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(tmp_path), "--port", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
