@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+import uvicorn
+
 from model_runner.serve_rank import add_rank_args
 from scheduler import ipc
 from scheduler.__main__ import add_scheduler_args
@@ -186,13 +188,10 @@ def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
 
 def serve(args: argparse.Namespace, conn, info: ServerInfo,
           children: dict[str, subprocess.Popen]) -> int:
-    import uvicorn
-
     from dasc_server.app import FrontEndOptions, create_app
     from dasc_server.engine_client import EngineClient
     from model_runner.generate import load_tokenizer
 
-    _Server = _server_class()
     name = args.served_model_name or Path(args.model).name
     failure: list[str] = []
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
@@ -225,18 +224,13 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     return 0
 
 
-def _server_class():
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a caught SIGINT/SIGTERM once it has shut down, which would kill this
+    process before it stops the scheduler and the ranks; here a signal is a normal stop."""
 
-    class Server(uvicorn.Server):
-        """uvicorn re-raises a caught SIGINT/SIGTERM once it has shut down, which would kill
-        this process before it stops the scheduler and the ranks; here a signal is a stop."""
-
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()
-
-    return Server
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def _interrupt(signum, frame) -> None:
