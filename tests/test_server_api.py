@@ -305,6 +305,8 @@ BAD_REQUESTS = {
     "beyond-context": ({"prompt": [65] * 8000, "max_tokens": 500}, 400, "prompt"),
     "stream-outside-vocab": ({"prompt": [300], "stream": True}, 400, "prompt"),
     "chat-no-messages": ({"messages": []}, 400, "messages"),
+    "wrong-type-max-tokens": ({"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    "wrong-type-prompt": ({"prompt": 12}, 400, "prompt"),
 }
 
 
