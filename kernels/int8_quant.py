@@ -45,14 +45,30 @@ def quantize_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_int8_inplace(
+    x: torch.Tensor, q: torch.Tensor | None = None, work: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8_ref` of a contiguous fp32 `x`, computed in place: x is overwritten.
+
+    The same operations in the same order (identical bits) without fp32 temporaries: `q` (int8)
+    and `work` (fp32), both contiguous and shaped like x, receive the result and |x| if given.
+    The checkpoint pool's CPU store quantises its staging buffer this way.
+    """
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"need a contiguous float32 tensor, got {x.dtype} {tuple(x.stride())}")
+    amax = (x.abs() if work is None else torch.abs(x, out=work)).amax(dim=-1)  # [...]
+    scale = amax.clamp_min_(SCALE_EPS).div_(torch.full_like(amax, INT8_MAX))  # [...]
+    x.div_(scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+    q = x.to(torch.int8) if q is None else q.copy_(x)  # the same float -> int8 cast
+    return q, scale
+
+
 def dequantize_int8_ref(
     q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Torch reference of `dequantize_int8`."""
-    x = q.float() * scale[..., None]  # [..., V]
-    if out is None:
-        return x
-    return out.copy_(x)
+    x = q.float() if out is None else out.copy_(q)  # int8 -> fp32 is exact
+    return x.mul_(scale[..., None])  # [..., V]
 
 
 # ---------------------------------------------------------------- Triton

@@ -11,7 +11,8 @@ Buffers (one tensor-parallel rank):
   (-1 on padding rows); `unit_pos[L, U]` names the row of each pool unit (-1 if omitted).
 
 Each operation has a torch reference (`*_ref`), a Triton kernel (`*_triton`) and a dispatcher that
-uses Triton for CUDA tensors and the reference otherwise.
+uses Triton for CUDA tensors and the reference otherwise. The checkpoint pool's CPU path computes
+the same results with the flat-row functions of `ragged_state_cpu.py`.
 """
 
 from __future__ import annotations

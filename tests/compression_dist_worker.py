@@ -78,6 +78,12 @@ def expected_after_load(cfg, plan, order, rank, world, local: torch.Tensor) -> t
     return torch.where(keep, local, torch.zeros(()))
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values with every other slot of a twice larger buffer (not contiguous)."""
+    view = torch.zeros((t.shape[0], 2 * t.shape[1], *t.shape[2:]), dtype=t.dtype)[:, ::2]
+    return view.copy_(t)
+
+
 def check_pool(cfg: ModelConfig, plan: SelectionPlan, fmt: CheckpointFormat, rank: int,
                world: int, conv_dtype: torch.dtype) -> dict:
     order = placement_head_order(plan, cfg, world, fmt.placement)
@@ -88,16 +94,27 @@ def check_pool(cfg: ModelConfig, plan: SelectionPlan, fmt: CheckpointFormat, ran
     temporal = shard(cfg, order, rank, world, full)
     conv = torch.randn(cfg.num_linear_layers, NUM_ACTIVE, cfg.linear_conv_dim // world, 3,
                        generator=gen).to(conv_dtype)
-    pool = CheckpointPool(cfg, plan, NUM_CKPT, fmt, tp_rank=rank, tp_size=world,
-                          head_order=order, conv_dtype=conv_dtype)
     counts = rank_row_counts(plan, cfg, order, world, fmt.layout)
     want_rows = balance_storage(counts).width if fmt.is_balanced else counts[rank]
-    assert pool.num_rows == want_rows, (pool.num_rows, want_rows)
     src, dst = torch.tensor([4, 1, 2]), torch.tensor([3, 0, 2])
-    pool.store(temporal, conv, src, dst)
-    restored = torch.full_like(temporal, float("nan"))
-    restored_conv = torch.zeros_like(conv)
-    pool.load(restored, restored_conv, torch.tensor([0, 2, 3]), torch.tensor([0, 3, 4]))
+    results = []
+    for is_flat in (True, False):  # contiguous state: CPU flat path; strided: kernel path
+        pool = CheckpointPool(cfg, plan, NUM_CKPT, fmt, tp_rank=rank, tp_size=world,
+                              head_order=order, conv_dtype=conv_dtype)
+        assert pool.num_rows == want_rows, (pool.num_rows, want_rows)
+        restored = torch.full_like(temporal, float("nan"))
+        restored_conv = torch.zeros_like(conv)
+        views = (temporal, conv, restored, restored_conv)
+        views = views if is_flat else tuple(map(strided, views))
+        pool.store(views[0], views[1], src, dst)
+        pool.load(views[2], views[3], torch.tensor([0, 2, 3]), torch.tensor([0, 3, 4]))
+        results.append((pool, views[2], views[3]))
+    (pool, restored, restored_conv), (other, *other_out) = results
+    assert torch.allclose(restored, other_out[0], rtol=0, atol=0, equal_nan=True), fmt
+    assert torch.equal(restored_conv, other_out[1]), fmt
+    for attr in ("temporal", "scale", "conv"):
+        a, b = getattr(pool, attr), getattr(other, attr)
+        assert (a is None and b is None) or torch.equal(a, b), (fmt, attr)
     # active 1 -> ckpt 0 -> active 0; active 2 -> ckpt 2 -> active 3; 4 -> 3 -> 4
     got = restored[:, [0, 3, 4]]
     want = expected_after_load(cfg, plan, order, rank, world, temporal)[:, [1, 2, 4]]

@@ -142,6 +142,61 @@ def test_any_selection_round_trips(data, name: str, fmt: CheckpointFormat) -> No
         assert bool(((got - want).abs() <= scale / 2 * (1 + 1e-6)).all())
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values with every other slot of a twice larger buffer: a non-contiguous state
+    sends CheckpointPool through its kernel path (the CUDA one) instead of the CPU flat path."""
+    big = torch.full((t.shape[0], 2 * t.shape[1], *t.shape[2:]), float("nan"), dtype=t.dtype)
+    view = big[:, ::2]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("name", ["tiny-gdn", "tiny-kda"])
+def test_cpu_flat_path_equals_kernel_path(name: str, fmt: CheckpointFormat) -> None:
+    cfg = load_cfg(name)
+    params = random_decay_params(cfg, seed=11)
+    horizons = static_horizons(cfg, params)
+    ident = ModelIdentity.of(cfg, params)
+    sparse = float(horizons.flatten().sort().values[-max(2, horizons.numel() // 10)])
+    for plan in (dense_plan(ident), dasc_plan(ident, horizons, float(horizons.median())),
+                 dasc_plan(ident, horizons, sparse)):  # fmt: skip
+        order = head_permutation(plan, cfg, 1) if fmt.placement == "hybrid" else None
+        temporal, conv = active_state(cfg, slots=6)
+        conv = conv.to(torch.bfloat16)
+        pools, outs = [], []
+        for is_flat in (True, False):
+            pool = CheckpointPool(cfg, plan, 5, fmt, head_order=order)  # BF16 conv
+            state = (temporal, conv) if is_flat else (strided(temporal), strided(conv))
+            pool.store(*state, torch.tensor([5, 0, 3]), torch.tensor([4, 1, 2]))
+            out = tuple(torch.full_like(t, 7.0) for t in state)
+            out = out if is_flat else tuple(map(strided, out))
+            pool.load(*out, torch.tensor([1, 4, 2]), torch.tensor([2, 0, 5]))
+            pools.append(pool)
+            outs.append(out)
+        flat = pools[0]._flat  # dense: one row per (layer, slot); sparse: the other load
+        assert (flat.group > 1) == (plan.selector == "dense")
+        assert flat.is_sparse == (plan.w_max == sparse)
+        for a, b in zip(outs[0], outs[1], strict=True):
+            assert torch.equal(a, b)
+        for attr in ("temporal", "scale", "conv"):
+            a, b = getattr(pools[0], attr), getattr(pools[1], attr)
+            assert (a is None and b is None) or torch.equal(a, b), attr
+
+
+def test_empty_calls_change_nothing() -> None:
+    cfg = load_cfg("tiny-kda")
+    pool = CheckpointPool(cfg, dense_plan(ModelIdentity.of(cfg)), 2, conv_dtype=torch.float32)
+    temporal, conv = active_state(cfg, slots=3)
+    before = (temporal.clone(), conv.clone(), pool.temporal.clone())
+    none = torch.tensor([], dtype=torch.long)
+    for state in ((temporal, conv), (strided(temporal), strided(conv))):
+        pool.store(*state, none, none)
+        pool.load(*state, none, none)
+    assert torch.equal(temporal, before[0]) and torch.equal(conv, before[1])
+    assert torch.equal(pool.temporal, before[2])
+
+
 HUGE = 10**13  # would fail with an allocation error if anything were allocated first
 
 

@@ -15,6 +15,7 @@ from kernels.int8_quant import (
     dequantize_int8,
     dequantize_int8_ref,
     quantize_int8,
+    quantize_int8_inplace,
     quantize_int8_ref,
 )
 from kernels.interpreted import run_interpreted
@@ -100,6 +101,25 @@ def test_dequantize_writes_out_and_validates():
         dequantize_int8(q, scale, out=torch.empty(q.shape, dtype=torch.float64))
     with pytest.raises(ValueError):
         dequantize_int8(q, scale[:-1])
+
+
+@pytest.mark.parametrize("with_buffers", [False, True])
+@pytest.mark.parametrize("name", CASES)
+def test_inplace_matches_reference_exactly(name, with_buffers):
+    x = _make(name).float()
+    q_ref, scale_ref = quantize_int8_ref(x)
+    work = x.clone()
+    q_buf = torch.full(x.shape, 99, dtype=torch.int8) if with_buffers else None
+    q, scale = quantize_int8_inplace(work, q_buf, torch.empty_like(x) if with_buffers else None)
+    assert q.dtype == torch.int8 and torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    assert (q is q_buf) == with_buffers
+
+
+def test_inplace_rejects_what_it_cannot_overwrite():
+    with pytest.raises(ValueError):
+        quantize_int8_inplace(torch.randn(4, 6).t())
+    with pytest.raises(ValueError):
+        quantize_int8_inplace(torch.randn(4, 6, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------- Triton vs reference

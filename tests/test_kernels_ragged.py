@@ -1,4 +1,5 @@
-"""Ragged gather / scatter of state units: index builders, torch reference, Triton kernels.
+"""Ragged gather / scatter of state units: index builders, torch reference, Triton kernels, and
+the CPU flat-row path (`kernels/ragged_state_cpu.py`) against the reference.
 
 The Triton kernels run under the Triton interpreter in a child process (`run_interpreted`), so
 `TRITON_INTERPRET` never leaks into this test process.
@@ -6,7 +7,7 @@ The Triton kernels run under the Triton interpreter in a child process (`run_int
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -20,6 +21,15 @@ from kernels.ragged_state import (
     scatter_units,
     scatter_units_ref,
 )
+from kernels.ragged_state_cpu import (
+    FlatIndex,
+    Scratch,
+    load_rows,
+    put_rows,
+    put_units,
+    stage_units,
+    take_rows,
+)
 
 NUM_SLOTS, NUM_CKPT = 7, 5
 SRC_SLOTS = [5, 1, 3]  # active slots, not contiguous, not sorted
@@ -32,12 +42,20 @@ class Case:
     num_units: int  # U: units per layer
     dim: int  # D: GDN K*V, KDA V
     layout: str
-    pattern: str  # "mixed": r_l = 0, all, some, some; "none": nothing retained
+    pattern: str  # "mixed": r_l = 0, all, some, some; "none": nothing retained; CPU path:
+    # "all": everything; "pairs": aligned unit pairs; "sparse": about one unit in eight
 
     def masks(self) -> list[torch.Tensor]:  # L x [U] bool
         gen = torch.Generator().manual_seed(self.num_units * 131 + self.dim)
-        if self.pattern == "none":
-            return [torch.zeros(self.num_units, dtype=torch.bool) for _ in range(3)]
+        if self.pattern in ("none", "all"):
+            full = self.pattern == "all"
+            return [torch.full((self.num_units,), full) for _ in range(3)]
+        if self.pattern == "pairs":
+            pairs = [torch.rand(self.num_units // 2, generator=gen) < 0.5 for _ in range(3)]
+            pairs[0][:] = True  # r_l: all, and two partial layers
+            return [p.repeat_interleave(2) for p in pairs]
+        if self.pattern == "sparse":
+            return [torch.rand(self.num_units, generator=gen) < 0.125 for _ in range(3)]
         some = [torch.rand(self.num_units, generator=gen) < 0.5 for _ in range(2)]
         some[0][0], some[0][-1] = True, False  # both partial: neither empty nor full
         some[1][0], some[1][-1] = False, True
@@ -208,3 +226,65 @@ def test_cuda_dispatch_matches_reference(layout):
     cuda = [tuple(a.cuda() for a in args) for args in (gather_args, scatter_args)]
     assert torch.equal(gather_units(*cuda[0]).cpu(), gather_units_ref(*gather_args))
     assert torch.equal(scatter_units(*cuda[1]).cpu(), scatter_units_ref(*scatter_args))
+
+
+# ---------------------------------------------------------------- CPU flat path vs reference
+
+CPU_CASES = CASES + [
+    Case("kda-all-padded", 16, 8, "padded", "all"),  # g = U: one row per (layer, slot)
+    Case("gdn-pairs-padded", 6, 24, "padded", "pairs"),  # g = 2 with padding runs
+    Case("kda-pairs", 16, 8, "ragged", "pairs"),
+    Case("kda-sparse", 16, 8, "ragged", "sparse"),
+    Case("gdn-sparse-padded", 8, 12, "padded", "sparse"),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_cpu_flat_path_matches_reference(case):
+    pool, idx = case.pool(), build_unit_index(case.masks(), case.layout)
+    flat = FlatIndex.of(idx)
+    if case.pattern in ("all", "pairs"):
+        assert flat.group == (case.num_units if case.pattern == "all" else 2)
+    src, dst = _slots(SRC_SLOTS), _slots(DST_SLOTS)
+    ckpt = _fresh_ckpt(case, idx.num_rows)
+    put_rows(ckpt.view(NUM_CKPT, -1), dst.long(), stage_units(pool, src, flat).flatten(1))
+    want = gather_units_ref(pool, src, idx.unit_layer, idx.unit_index,
+                            _fresh_ckpt(case, idx.num_rows), dst)  # fmt: skip
+    assert torch.equal(ckpt, want)
+    # Load: checkpoint rows behind g zero rows, gathered and written by both strategies.
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.cat([torch.zeros(flat.group, case.dim),
+                      torch.randn(NUM_CKPT * idx.num_rows, case.dim, generator=gen)])
+    want = scatter_units_ref(rows[flat.group :].view(NUM_CKPT, idx.num_rows, case.dim), dst,
+                             idx.unit_pos, _fresh_pool(case), src)  # fmt: skip
+    for is_sparse in (False, True):
+        how = replace(flat, is_sparse=is_sparse, _active={})
+        staged = take_rows(rows.view(-1, flat.group * case.dim), load_rows(how, dst))
+        assert torch.equal(put_units(_fresh_pool(case), src, staged, how), want), is_sparse
+
+
+@pytest.mark.parametrize(("dtype", "width", "offset"), [
+    (torch.float32, 8, 0), (torch.float32, 3, 1), (torch.int8, 5, 3), (torch.bfloat16, 8, 1),
+    (torch.uint8, 48, 16),
+])
+def test_put_rows_and_take_rows_any_width(dtype, width, offset):
+    gen = torch.Generator().manual_seed(width)
+    base = torch.randint(-100, 100, (offset + 7 * width,), generator=gen).to(dtype)
+    dst = base[offset:].view(7, width)  # a storage offset that may forbid wide views
+    src = torch.randint(-100, 100, (3, width), generator=gen).to(dtype)
+    index = torch.tensor([5, 0, 3])
+    want = dst.clone()
+    want[index] = src
+    assert torch.equal(put_rows(dst, index, src), want)
+    rows = torch.tensor([6, 2, 2, 0])
+    assert torch.equal(take_rows(dst, rows), dst[rows])
+    assert torch.equal(take_rows(dst[:, :1].contiguous(), rows), dst[rows, :1])
+
+
+def test_scratch_reuses_and_grows():
+    scratch = Scratch(torch.device("cpu"))
+    a = scratch.get("x", (4, 3), torch.float32)
+    b = scratch.get("x", (2, 5), torch.float32)
+    assert a.data_ptr() == b.data_ptr() and b.shape == (2, 5)
+    assert scratch.get("x", (5, 5), torch.float32).numel() == 25
+    assert scratch.get("x", (2,), torch.int8).dtype == torch.int8

@@ -12,6 +12,9 @@ With storage balancing (placement storage/hybrid) rows = C and the packed rows a
 the group as `redistribute.py` describes; store and load are then collectives.
 Conv dtype: kept as the runner's (BF16 in production, so bytes match the paper's accounting;
 FP32 tiny models stay bit-identical at W_max = 0). The accounting always counts BF16 conv.
+Memory: payload rows [g + N * rows, D] (scales alike) behind g zero rows, g = FlatIndex.group,
+so CPU loads read omitted units there; conv slot-major [N, L, conv_dim_loc, k-1], so one slot is
+one block.
 """
 
 from __future__ import annotations
@@ -21,8 +24,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.int8_quant import dequantize_int8, quantize_int8
+from kernels.int8_quant import dequantize_int8, quantize_int8, quantize_int8_inplace
 from kernels.ragged_state import LAYOUTS, build_unit_index, gather_units, scatter_units
+from kernels.ragged_state_cpu import (
+    FlatIndex,
+    Scratch,
+    load_rows,
+    put_rows,
+    put_units,
+    slot_blocks,
+    stage_units,
+    take_rows,
+)
 from model_runner.compression.placement import (
     PLACEMENTS,
     HeadOrder,
@@ -36,6 +49,8 @@ from model_runner.compression.redistribute import (
     StorageBalance,
     balance_storage,
     from_storage,
+    int8_from_bytes,
+    int8_to_bytes,
     to_storage,
 )
 from model_runner.config import ModelConfig
@@ -123,15 +138,21 @@ class CheckpointPool:
         conv_loc = cfg.linear_conv_dim // tp_size
         num_layers = cfg.num_linear_layers
         dtype = torch.int8 if fmt.payload == "int8" else torch.float32
-        # [N, rows, D]; int8 scales [N, rows, rows_per_unit]
-        self.temporal = torch.zeros(num_slots, num_rows, self.unit_dim, dtype=dtype,
-                                    device=self.device)
-        self.scale = (torch.zeros(num_slots, num_rows, self.rows_per_unit, device=self.device)
-                      if fmt.payload == "int8" else None)
-        # [L, N, conv_dim_loc, k-1]
-        self.conv = torch.zeros(num_layers, num_slots, conv_loc, cfg.linear_conv_kernel_dim - 1,
-                                dtype=conv_dtype, device=self.device)
+        self._flat = FlatIndex.of(self.index)
+        group = self._flat.group
+        all_rows = group + num_slots * num_rows  # rows [0, g) stay zero
+        self._rows = torch.zeros(all_rows, self.unit_dim, dtype=dtype, device=self.device)
+        self.temporal = self._rows[group:].view(num_slots, num_rows, self.unit_dim)  # [N, rows, D]
+        self._scale_rows, self.scale = None, None  # int8: [N, rows, rows_per_unit]
+        if fmt.payload == "int8":
+            self._scale_rows = torch.zeros(all_rows, self.rows_per_unit, device=self.device)
+            self.scale = self._scale_rows[group:].view(num_slots, num_rows, self.rows_per_unit)
+        self._conv_slots = torch.zeros(num_slots, num_layers, conv_loc,
+                                       cfg.linear_conv_kernel_dim - 1, dtype=conv_dtype,
+                                       device=self.device)
+        self.conv = self._conv_slots.transpose(0, 1)  # [L, N, conv_dim_loc, k-1]
         self.temporal_shape = (num_layers, heads_loc, k, v)
+        self._scratch = Scratch(self.device)  # CPU staging buffers
 
     # ---- sizes ------------------------------------------------------------------------------
     @property
@@ -150,6 +171,26 @@ class CheckpointPool:
         pool = self.unit_view(temporal)  # [L, S, U_loc, D]
         self._check_conv(conv)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
+        if src.numel():  # ranks of a balanced pool all skip an empty call together
+            store = self._store_flat if self._is_flat(pool, conv) else self._store_kernels
+            store(pool, conv, src, dst)
+
+    def load(self, temporal: torch.Tensor, conv: torch.Tensor, src_slots: torch.Tensor,
+             dst_slots: torch.Tensor) -> None:
+        """Checkpoint slots src_slots [B] -> active slots dst_slots [B] (distinct).
+
+        Retained units are restored (exactly in fp32), omitted units are zero-filled (dasc-nr),
+        conv state is restored whole.
+        """
+        pool = self.unit_view(temporal)  # [L, S, U_loc, D]
+        self._check_conv(conv)
+        src, dst = src_slots.to(self.device), dst_slots.to(self.device)
+        if src.numel():
+            load = self._load_flat if self._is_flat(pool, conv) else self._load_kernels
+            load(pool, conv, src, dst)
+
+    # ---- CUDA (Triton kernels; also any non-contiguous state) -------------------------------
+    def _store_kernels(self, pool, conv, src, dst) -> None:
         self.conv[:, dst] = conv[:, src].to(self.conv.dtype)
         idx = self.index
         if not self.fmt.is_balanced and self.scale is None:
@@ -165,20 +206,10 @@ class CheckpointPool:
         q, s = quantize_int8(packed.view(num_reqs, idx.num_rows, *self.unit_rows))
         q = q.view(num_reqs, idx.num_rows, self.unit_dim)  # [B, R, D] int8; s [B, R, rpu]
         if self.balance is not None:  # payload and scales travel together as byte rows
-            q, s = _from_bytes(self._balance_out(_to_bytes(q, s)), self.unit_dim,
-                               self.rows_per_unit)
+            q, s = self._balance_int8_out(q, s)
         self.temporal[dst], self.scale[dst] = q, s
 
-    def load(self, temporal: torch.Tensor, conv: torch.Tensor, src_slots: torch.Tensor,
-             dst_slots: torch.Tensor) -> None:
-        """Checkpoint slots src_slots [B] -> active slots dst_slots [B] (distinct).
-
-        Retained units are restored (exactly in fp32), omitted units are zero-filled (dasc-nr),
-        conv state is restored whole.
-        """
-        pool = self.unit_view(temporal)  # [L, S, U_loc, D]
-        self._check_conv(conv)
-        src, dst = src_slots.to(self.device), dst_slots.to(self.device)
+    def _load_kernels(self, pool, conv, src, dst) -> None:
         conv[:, dst] = self.conv[:, src].to(conv.dtype)
         idx = self.index
         if not self.fmt.is_balanced and self.scale is None:
@@ -190,11 +221,77 @@ class CheckpointPool:
         else:
             q, s = self.temporal[src], self.scale[src]
             if self.balance is not None:
-                q, s = _from_bytes(self._balance_in(_to_bytes(q, s)), self.unit_dim,
-                                   self.rows_per_unit)
+                q, s = self._balance_int8_in(q, s)
             q = q.view(num_reqs, idx.num_rows, *self.unit_rows)  # [B, R, rpu, V]
             packed = dequantize_int8(q, s).view(num_reqs, idx.num_rows, self.unit_dim)
         scatter_units(packed, torch.arange(num_reqs, device=self.device), idx.unit_pos, pool, dst)
+
+    # ---- CPU: one flat row gather + one block write per buffer (kernels/ragged_state_cpu.py) --
+    def _is_flat(self, pool: torch.Tensor, conv: torch.Tensor) -> bool:
+        return pool.device.type == "cpu" and pool.is_contiguous() and conv.is_contiguous()
+
+    def _store_flat(self, pool, conv, src, dst) -> None:
+        num_reqs, buffer = src.numel(), self._scratch.get
+        layer_starts = self._flat.active(pool.shape[1])[1]
+        conv_rows = conv.view(-1, conv.shape[2] * conv.shape[3])  # [L * S, conv]
+        staged = take_rows(conv_rows, slot_blocks(src, layer_starts, slot_major=True),
+                           buffer("conv_out", (num_reqs, self._conv_slots[0].numel()),
+                                  conv.dtype))  # [B, L * conv]
+        put_rows(self._conv_slots.flatten(1), dst, staged.to(self.conv.dtype))
+        shape = (num_reqs, self.index.num_rows, self.unit_dim)  # [B, R, D]
+        packed = stage_units(pool, src, self._flat, buffer("units_out", shape, torch.float32))
+        if self.scale is None:
+            put_rows(self.temporal.flatten(1), dst, self._balance_out(packed).flatten(1))
+            return
+        units = packed.view(*shape[:2], *self.unit_rows)  # [B, R, rpu, V]
+        q, s = quantize_int8_inplace(units, buffer("q", units.shape, torch.int8),
+                                     buffer("abs", units.shape, torch.float32))
+        q = q.view(shape)  # [B, R, D] int8; s [B, R, rpu]
+        if self.balance is not None:
+            q, s = self._balance_int8_out(q, s)
+        put_rows(self.temporal.flatten(1), dst, q.flatten(1))
+        put_rows(self.scale.flatten(1), dst, s.flatten(1))
+
+    def _load_flat(self, pool, conv, src, dst) -> None:
+        num_reqs, width = src.numel(), self._flat.group * self.unit_dim
+        layer_starts, buffer = self._flat.active(pool.shape[1])[1], self._scratch.get
+        staged = take_rows(self._conv_slots.flatten(1), src,
+                           buffer("conv_in", (num_reqs, self._conv_slots[0].numel()),
+                                  self.conv.dtype))  # [B, L * conv]
+        conv_rows = conv.view(-1, conv.shape[2] * conv.shape[3])  # [L * S, conv]
+        put_rows(conv_rows, slot_blocks(dst, layer_starts, slot_major=True),
+                 staged.to(conv.dtype).view(-1, conv_rows.shape[1]))
+        if self.balance is None:  # gather straight from the checkpoint rows
+            rows = load_rows(self._flat, src)
+            staged = take_rows(self._rows.view(-1, width), rows,
+                               buffer("units_in", (rows.numel(), width), self._rows.dtype))
+            if self.scale is not None:  # [M, g * D] int8 -> fp32
+                scale = take_rows(self._scale_rows.view(-1, width // self.unit_rows[1]), rows)
+                q = staged.view(-1, *self.unit_rows)
+                staged = dequantize_int8(q, scale.view(q.shape[:-1]),
+                                         buffer("fp32", q.shape, torch.float32))
+        else:
+            rows = load_rows(self._flat, torch.arange(num_reqs))
+            staged = take_rows(self._unbalance(src).view(-1, width), rows)
+        put_units(pool, dst, staged.view(-1, width), self._flat)
+
+    def _unbalance(self, src: torch.Tensor) -> torch.Tensor:
+        """Collective: checkpoint slots src [B] -> packed fp32 rows [g + B * R, D], rows [0, g)
+        zero."""
+        num_reqs, num_rows, group = src.numel(), self.index.num_rows, self._flat.group
+        packed = self._rows.new_empty(group + num_reqs * num_rows, self.unit_dim,
+                                      dtype=torch.float32)
+        packed[:group] = 0
+        out = packed[group:].view(num_reqs, num_rows, self.unit_dim)
+        stored = take_rows(self.temporal.flatten(1), src).view(num_reqs, *self.temporal.shape[1:])
+        if self.scale is None:
+            self._balance_in(stored, out)
+            return packed
+        scale = take_rows(self.scale.flatten(1), src).view(num_reqs, *self.scale.shape[1:])
+        q, s = self._balance_int8_in(stored, scale)
+        dequantize_int8(q.view(num_reqs, num_rows, *self.unit_rows), s,
+                        out.view(num_reqs, num_rows, *self.unit_rows))
+        return packed
 
     # ---- helpers ----------------------------------------------------------------------------
     def unit_view(self, temporal: torch.Tensor) -> torch.Tensor:
@@ -220,28 +317,16 @@ class CheckpointPool:
             return packed
         return to_storage(self.balance, self.tp_rank, packed, self.group)
 
-    def _balance_in(self, stored: torch.Tensor) -> torch.Tensor:
+    def _balance_int8_out(self, q: torch.Tensor, s: torch.Tensor):
+        """Payload and scales travel together as byte rows."""
+        stored = self._balance_out(int8_to_bytes(q, s))
+        return int8_from_bytes(stored, self.unit_dim, self.rows_per_unit)
+
+    def _balance_int8_in(self, q: torch.Tensor, s: torch.Tensor):
+        packed = self._balance_in(int8_to_bytes(q, s))
+        return int8_from_bytes(packed, self.unit_dim, self.rows_per_unit)
+
+    def _balance_in(self, stored: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.balance is None:
             return stored
-        return from_storage(self.balance, self.tp_rank, stored, self.group)
-
-
-def _to_bytes(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 q [B, R, D] + fp32 scale [B, R, rpu] -> one uint8 row [B, R, D + 4*rpu] per unit."""
-    num_reqs, num_rows, unit_dim = q.shape
-    rows = q.new_empty(num_reqs, num_rows, unit_dim + 4 * scale.shape[-1], dtype=torch.uint8)
-    if rows.numel():  # dtype views refuse the zero strides of empty tensors
-        rows[..., :unit_dim] = q.view(torch.uint8)
-        rows[..., unit_dim:] = scale.contiguous().view(torch.uint8)
-    return rows
-
-
-def _from_bytes(rows: torch.Tensor, unit_dim: int, rows_per_unit: int):
-    """Inverse of `_to_bytes`: uint8 [B, R, D + 4*rpu] -> (int8 [B, R, D], fp32 [B, R, rpu])."""
-    num_reqs, num_rows, _ = rows.shape
-    if rows.numel() == 0:
-        return (rows.new_empty(num_reqs, num_rows, unit_dim, dtype=torch.int8),
-                rows.new_empty(num_reqs, num_rows, rows_per_unit, dtype=torch.float32))
-    q = rows[..., :unit_dim].contiguous().view(torch.int8)
-    s = rows[..., unit_dim:].contiguous().view(torch.float32)
-    return q, s
+        return from_storage(self.balance, self.tp_rank, stored, self.group, out)

@@ -86,13 +86,18 @@ def to_storage(
 
 
 def from_storage(
-    bal: StorageBalance, rank: int, stored: torch.Tensor, group: dist.ProcessGroup | None = None
+    bal: StorageBalance, rank: int, stored: torch.Tensor, group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Collective inverse of `to_storage`: checkpoint rows [B, C, W] -> packed [B, U_rank, W]."""
+    """Collective inverse of `to_storage`: checkpoint rows [B, C, W] -> packed [B, U_rank, W],
+    written to `out` when given."""
     num_reqs, width = stored.shape[0], stored.shape[2]
     if stored.shape[1] != bal.width:
         raise ValueError(f"stored slot has {stored.shape[1]} rows, expected {bal.width}")
-    packed = stored.new_empty(num_reqs, bal.counts[rank], width)
+    shape = (num_reqs, bal.counts[rank], width)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != stored.dtype):
+        raise ValueError(f"out must be {stored.dtype} {shape}, got {out.dtype} {tuple(out.shape)}")
+    packed = stored.new_empty(shape) if out is None else out
     keep = bal.kept(rank)
     packed[:, :keep] = stored[:, :keep]
     if bal.moved_rows == 0:
@@ -139,3 +144,24 @@ def _exchange(
         chunks.append(recv_buf[start : start + num_reqs * n].view(num_reqs, n, width))
         start += num_reqs * n
     return chunks
+
+
+def int8_to_bytes(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 q [B, R, D] + fp32 scale [B, R, rpu] -> one uint8 row [B, R, D + 4*rpu] per unit."""
+    num_reqs, num_rows, unit_dim = q.shape
+    rows = q.new_empty(num_reqs, num_rows, unit_dim + 4 * scale.shape[-1], dtype=torch.uint8)
+    if rows.numel():  # dtype views refuse the zero strides of empty tensors
+        rows[..., :unit_dim] = q.view(torch.uint8)
+        rows[..., unit_dim:] = scale.contiguous().view(torch.uint8)
+    return rows
+
+
+def int8_from_bytes(rows: torch.Tensor, unit_dim: int, rows_per_unit: int):
+    """Inverse of `int8_to_bytes`: uint8 [B, R, D + 4*rpu] -> (int8 [B, R, D], fp32 [B, R, rpu])."""
+    num_reqs, num_rows, _ = rows.shape
+    if rows.numel() == 0:
+        return (rows.new_empty(num_reqs, num_rows, unit_dim, dtype=torch.int8),
+                rows.new_empty(num_reqs, num_rows, rows_per_unit, dtype=torch.float32))
+    q = rows[..., :unit_dim].contiguous().view(torch.int8)
+    s = rows[..., unit_dim:].contiguous().view(torch.float32)
+    return q, s
