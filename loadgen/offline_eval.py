@@ -1,183 +1,102 @@
-"""``dasc-eval``: task-suite accuracy through dasc's runner, with the cached-prefix protocol.
+"""``dasc-eval``: task-suite accuracy and logit fidelity through dasc's runner, with the
+cached-prefix protocol.
 
-Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to
-what the cache would hold, then prefill the question suffix on top and decode greedily until a
-newline.  Arms: ``dense`` (nothing), ``nr@W`` (store the prefix state as a dasc checkpoint at
-W_max = W and load it back: omitted units zero-filled), ``wr@W`` (nr, then the omitted units
-are refreshed by replaying the last W_wr context tokens), ``nr-int8@W`` (INT8 payload),
-``random@W`` (count-matched random selection, seed 1234), and the Table 1(a) interventions
-``zero-full-kv``, ``zero-linear``, ``zero-both`` (zero the context's full-attention KV rows,
-the linear-attention state, or both).  Instances run in batches; every TP rank runs the same
-loop and rank 0 prints.
+Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to what
+the cache would hold (``loadgen.arms``), then answer the question on top: greedy decoding to a
+newline for accuracy, and teacher forcing of question + gold completion for the mean KL of the
+next-token distributions from the dense arm's and the suffix's Δ NLL (``loadgen.fidelity``).
+Each context is prefilled once for all arms (``loadgen.arm_sweep``).  Arms given as a bare
+kind (``nr wr nr-int8 random``) run at every ``--w-max``; random arms once per ``--mask-seeds``.
+``--out FILE`` appends JSON lines and skips what the file already holds, so an interrupted run
+continues where it stopped.  Every TP rank runs the same loop and rank 0 prints.
+
+Subcommands: ``dasc-eval report`` (tables and a plot from JSON lines, ``loadgen.quality_report``)
+and ``dasc-eval study`` (the whole quality study, ``loadgen.quality_study``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from loadgen.tasks import LENGTHS, TASKS, TaskInstance, make_instances, score_instance
-from model_runner.batch import SeqInput
-from model_runner.engine import decode_until
+from loadgen.arm_sweep import NEWLINE, InstanceScore, Result, sweep
+from loadgen.arms import (
+    COMPRESSED,
+    INTERVENTIONS,
+    RANDOM_SEED,
+    Arm,
+    apply_arm,
+    apply_intervention,
+    expand_arms,
+    parse_arm,
+    prepare_arm,
+)
+from loadgen.tasks import LENGTHS, TASKS
 from model_runner.launch import is_first_rank, is_rank_process, relaunch
-from model_runner.runner import ModelRunner
 
-INTERVENTIONS = ("zero-full-kv", "zero-linear", "zero-both")
-COMPRESSED = ("nr", "wr", "nr-int8", "random")
-RANDOM_SEED = 1234
-NEWLINE = 10
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    arm: str
-    task: str
-    length: int
-    accuracy: float
-    n: int
-
-
-def parse_arm(arm: str) -> tuple[str, float]:
-    """"dense" | intervention | "<kind>@<W_max>" -> (kind, W_max)."""
-    if arm == "dense" or arm in INTERVENTIONS:
-        return arm, 0.0
-    kind, _, w = arm.partition("@")
-    try:
-        w_max = float(w)
-    except ValueError:
-        w_max = -1.0
-    if kind not in COMPRESSED or w_max <= 0:
-        raise ValueError(f"unknown arm {arm!r}: use dense, {', '.join(INTERVENTIONS)} or "
-                         f"{'|'.join(COMPRESSED)}@W_MAX (e.g. nr@16)")
-    return kind, w_max
-
-
-def prepare_arm(runner: ModelRunner, arm: str, batch: int) -> None:
-    """Attach the checkpoint pool a compressed arm stores through."""
-    from model_runner.compression.checkpoint import CheckpointFormat
-    from model_runner.compression.horizons import static_horizons
-    from model_runner.compression.plan import dasc_plan, random_plan
-    from model_runner.compression.weights import load_decay_params
-
-    kind, w_max = parse_arm(arm)
-    if kind not in COMPRESSED:
-        return
-    horizons = static_horizons(runner.cfg, load_decay_params(runner.rc.model_dir, runner.cfg))
-    plan = dasc_plan(runner.identity(), horizons, w_max)
-    if kind == "random":
-        plan = random_plan(plan, horizons, RANDOM_SEED)
-    payload = "int8" if kind == "nr-int8" else "fp32"
-    runner.attach_checkpoints(plan, batch, CheckpointFormat(payload=payload))
-
-
-def apply_arm(runner: ModelRunner, seqs: list[SeqInput], arm: str,
-              contexts: list[list[int]] | None = None) -> None:
-    """What a cache hit on each sequence's prefix [0, prefix_len) would restore.  ``wr`` needs
-    the context ids and as many spare state slots after the batch's as there are sequences."""
-    kind, _ = parse_arm(arm)
-    if kind in COMPRESSED:
-        slots = [s.state_slot for s in seqs]
-        ckpt = list(range(len(seqs)))
-        runner.store_checkpoints(slots, ckpt)
-        runner.zero_state_slots(slots)
-        runner.load_checkpoints(ckpt, slots)
-        window = runner.checkpoints.plan.refresh_window
-        if kind == "wr" and window > 0:
-            replay = []
-            for s, ctx in zip(seqs, contexts):
-                start = max(0, len(ctx) - window)
-                replay.append(SeqInput(ctx[start:], start, s.page_table, s.state_slot))
-            scratch = [max(slots) + 1 + i for i in range(len(seqs))]
-            runner.refresh_omitted(replay, scratch)
-    else:
-        apply_intervention(runner, seqs, kind)
-
-
-def apply_intervention(runner: ModelRunner, seqs: list[SeqInput], kind: str) -> None:
-    """Zero what the cache holds for each sequence's prefix [0, prefix_len)."""
-    if kind in ("zero-full-kv", "zero-both"):
-        page = runner.rc.page_size
-        for s in seqs:
-            pos = torch.arange(s.prefix_len)
-            pages = torch.tensor(s.page_table)[pos // page]
-            rows = (pages * page + pos % page).to(runner.device)
-            for cache in runner.kv.caches:
-                cache[rows] = 0
-    if kind in ("zero-linear", "zero-both"):
-        for s in seqs:
-            runner.zero_state(s.state_slot)
-
-
-def run_group(runner: ModelRunner, insts: list[TaskInstance], encode, decode, arm: str
-              ) -> list[str]:
-    """Context prefill -> intervention -> question prefill -> greedy decode to a newline."""
-    spec = TASKS[insts[0].task]
-    page = runner.rc.page_size
-    seqs, free = [], list(range(runner.rc.num_pages))
-    for i, inst in enumerate(insts):
-        ctx, question = encode(inst.context), encode(inst.question)
-        pages = [free.pop() for _ in range(-(-(len(ctx) + len(question) + spec.max_new_tokens)
-                                             // page))]
-        seqs.append((SeqInput(ctx, 0, pages, i + 1), question))
-    runner.forward([s for s, _ in seqs])
-    steps, contexts = [], []
-    for s, question in seqs:
-        contexts.append(s.token_ids)
-        s.prefix_len, s.token_ids = len(s.token_ids), question
-        steps.append(s)
-    apply_arm(runner, steps, arm, contexts)
-    outputs = decode_until(runner, steps, runner.forward(steps), spec.max_new_tokens, {NEWLINE})
-    return [decode(o) for o in outputs]
-
-
-def evaluate(runner: ModelRunner, tasks: list[str], lengths: list[int], n: int, seed: int,
-             arm: str, batch: int, tokenizer) -> list[Result]:
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids)
-
-    results = []
-    for length in lengths:
-        for task in tasks:
-            insts = make_instances(task, length, n, seed)
-            scores = []
-            for start in range(0, n, batch):
-                group = insts[start : start + batch]
-                texts = run_group(runner, group, encode, decode, arm)
-                scores += [score_instance(inst, t) for inst, t in zip(group, texts)]
-            results.append(Result(arm, task, length, sum(scores) / len(scores), len(scores)))
-            if is_first_rank():  # progress on stderr; stdout stays the table / JSON lines
-                print(f"[dasc-eval] {arm} {task} {length}: {results[-1].accuracy:.2f} "
-                      f"({len(results)} done)", file=sys.stderr, flush=True)
-    return results
+__all__ = ["COMPRESSED", "INTERVENTIONS", "NEWLINE", "RANDOM_SEED", "Arm", "InstanceScore",
+           "Result", "apply_arm", "apply_intervention", "expand_arms", "load_results", "main",
+           "markdown_table", "parse_arm", "prepare_arm"]
 
 
 def markdown_table(results: list[Result], tasks: list[str]) -> str:
     """Rows in the shape of the paper's Table 2: arm, length, one column per subtask, average."""
     head = "| Arm | Len | " + " | ".join(t.upper() for t in tasks) + " | Avg |"
     lines = [head, "|" + "---|" * (len(tasks) + 3)]
-    keys = sorted({(r.arm, r.length) for r in results}, key=lambda k: (k[0] != "dense", k))
-    for arm, length in keys:
-        acc = {r.task: r.accuracy for r in results if r.arm == arm and r.length == length}
+    keys = sorted({(r.label, r.length) for r in results}, key=lambda k: (k[0] != "dense", k))
+    for label, length in keys:
+        acc = {r.task: r.accuracy for r in results if r.label == label and r.length == length}
         cells = [f"{acc[t]:.2f}" for t in tasks]
         avg = sum(acc[t] for t in tasks) / len(tasks)
-        lines.append(f"| {arm} | {length} | " + " | ".join(cells) + f" | {avg:.2f} |")
+        lines.append(f"| {label} | {length} | " + " | ".join(cells) + f" | {avg:.2f} |")
     return "\n".join(lines)
+
+
+def load_results(path: str | Path) -> list[Result]:
+    """Results from a JSON-lines file; a line cut short by an interrupted run is skipped."""
+    results = []
+    if not Path(path).exists():
+        return results
+    for line in Path(path).read_text().splitlines():
+        try:
+            results.append(Result.from_json(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return results
+
+
+def appender(path: str | Path):
+    """emit(results): append JSON lines to ``path`` and flush (rank 0 only)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+        with path.open("a") as f:  # end a line an interrupted run cut short
+            f.write("\n")
+
+    def emit(results: list[Result]) -> None:
+        if not is_first_rank():
+            return
+        with path.open("a") as f:
+            for r in results:
+                f.write(json.dumps(r.to_json()) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return emit
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from model_runner.generate import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(
-        prog="dasc-eval", description="Per-subtask accuracy of a model on dasc's RULER-style task "
-        "suite, answering each question on top of a cached context prefix.")
+        prog="dasc-eval", description="Per-subtask accuracy and logit fidelity (mean KL vs "
+        "dense, delta NLL) of a model on dasc's RULER-style task suite, answering each question "
+        "on top of a cached context prefix.  Subcommands: 'dasc-eval report -h', "
+        "'dasc-eval study -h'.")
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder (default: built-in)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--tasks", default="all", help=f"comma list from {','.join(TASKS)} or 'all'")
@@ -187,10 +106,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="3 instances per task, shortest length")
     p.add_argument("--arms", nargs="+", default=["dense"],
                    help="dense | nr@W | wr@W | nr-int8@W | random@W | zero-full-kv | zero-linear | "
-                        "zero-both (paper Table 1(a) interventions); default: dense")
+                        "zero-both (paper Table 1(a) interventions) | a bare nr, wr, nr-int8 or "
+                        "random (run at every --w-max); default: dense")
+    p.add_argument("--w-max", type=float, nargs="+", default=[],
+                   help="W_max values for arms given as a bare kind")
+    p.add_argument("--mask-seeds", type=int, nargs="+", default=[RANDOM_SEED],
+                   help="one count-matched random plan per seed (paper: 1234 2027 3407 4519 5683)")
     p.add_argument("--batch", type=int, default=8, help="instances per batch")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per (arm, task, length) instead of a table")
+    p.add_argument("--out", help="append JSON lines to this file and skip (arm, task, length) "
+                   "units it already holds (resumable)")
+    p.add_argument("--decode-all", action="store_true",
+                   help="decode every instance (default: skip greedy decoding where the "
+                        "teacher-forced argmax path already is the gold completion)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
     if args.quick:
@@ -200,11 +130,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw and raw[0] in ("report", "study"):
+        if raw[0] == "report":
+            from loadgen.quality_report import main as sub
+        else:
+            from loadgen.quality_study import main as sub
+        return sub(raw[1:])
     args = parse_args(argv)
     unknown = [t for t in args.task_list if t not in TASKS]
     try:
-        for arm in args.arms:
-            parse_arm(arm)
+        args.arm_list = expand_arms(args.arms, args.w_max, args.mask_seeds)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -213,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.tp > 1 and not is_rank_process():
-        return relaunch(args.tp, "loadgen.offline_eval",
-                        argv if argv is not None else sys.argv[1:])
+        return relaunch(args.tp, "loadgen.offline_eval", raw)
     try:
         results = run(args)
     except (ValueError, OSError, KeyError) as e:
@@ -222,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 1
     if is_first_rank():
+        order = {a.label: i for i, a in enumerate(args.arm_list)}
+        results.sort(key=lambda r: order[r.label])  # arm-major, as the arms were given
         if args.json:
             for r in results:
-                print(json.dumps({"arm": r.arm, "task": r.task, "length": r.length,
-                                  "accuracy": r.accuracy, "n": r.n}))
-        else:
+                print(json.dumps(r.to_json()))
+        elif results:
             print(markdown_table(results, args.task_list))
     return 0
 
@@ -235,8 +171,10 @@ def run(args: argparse.Namespace) -> list[Result]:
     from transformers import AutoTokenizer
 
     from model_runner.parallel import init_tp_group, shutdown_tp_group
-    from model_runner.runner import RunnerConfig
+    from model_runner.runner import ModelRunner, RunnerConfig
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     tp = init_tp_group(torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     page = 16
@@ -244,11 +182,11 @@ def run(args: argparse.Namespace) -> list[Result]:
     rc = RunnerConfig(str(Path(args.model)), dtype=args.dtype, num_pages=per_seq * args.batch,
                       page_size=page, num_state_slots=2 * args.batch + 1)  # + wr scratch
     runner = ModelRunner(rc, tp)
-    results = []
-    for arm in args.arms:
-        prepare_arm(runner, arm, args.batch)
-        results += evaluate(runner, args.task_list, args.lengths, args.n, args.seed, arm,
-                            args.batch, tokenizer)
+    model = Path(args.model).name
+    done = frozenset(r.key() for r in load_results(args.out)) if args.out else frozenset()
+    emit = appender(args.out) if args.out else None
+    results = sweep(runner, model, args.task_list, args.lengths, args.n, args.seed,
+                    args.arm_list, args.batch, tokenizer, done, emit, args.decode_all)
     shutdown_tp_group(tp)
     return results
 
