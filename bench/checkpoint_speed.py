@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -31,19 +32,26 @@ from model_runner.parallel import init_tp_group, shutdown_tp_group
 FORMATS = (("ragged", "fp32"), ("padded", "fp32"), ("ragged", "int8"))
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_seconds(fn, repeats: int, barrier) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         barrier()
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def copy_gbps(num_bytes: int, repeats: int) -> float:
-    src = torch.randn(max(num_bytes // 4, 1))
+def copy_gbps(num_bytes: int, repeats: int, device: torch.device) -> float:
+    src = torch.randn(max(num_bytes // 4, 1), device=device)
     dst = torch.empty_like(src)
     return num_bytes / median_seconds(lambda: dst.copy_(src), repeats, lambda: None) / 1e9
 
@@ -53,11 +61,11 @@ def bench_one(cfg, plan, fmt, tp, args, gen) -> dict:
     heads = cfg.linear_num_value_heads // tp.size
     num_active = args.batch + 1
     temporal = torch.randn(cfg.num_linear_layers, num_active, heads, cfg.linear_key_head_dim,
-                           cfg.linear_value_head_dim, generator=gen)
+                           cfg.linear_value_head_dim, generator=gen).to(args.device)
     conv = torch.randn(cfg.num_linear_layers, num_active, cfg.linear_conv_dim // tp.size,
-                       cfg.linear_conv_kernel_dim - 1, generator=gen)
+                       cfg.linear_conv_kernel_dim - 1, generator=gen).to(args.device)
     pool = CheckpointPool(cfg, plan, args.ckpt_slots, fmt, tp_rank=tp.rank, tp_size=tp.size,
-                          head_order=order, conv_dtype=conv.dtype)
+                          head_order=order, conv_dtype=conv.dtype, device=args.device)
     active = torch.randperm(num_active, generator=gen)[: args.batch]
     ckpt = torch.randperm(args.ckpt_slots, generator=gen)[: args.batch]
     out, out_conv = torch.zeros_like(temporal), torch.zeros_like(conv)
@@ -67,12 +75,20 @@ def bench_one(cfg, plan, fmt, tp, args, gen) -> dict:
     load_s = median_seconds(lambda: pool.load(out, out_conv, ckpt, active), args.repeats,
                             barrier)
     num_bytes = pool.nbytes_per_slot() * args.batch
-    copy = copy_gbps(num_bytes, args.repeats)
+    copy = copy_gbps(num_bytes, args.repeats, args.device)
     store, load = num_bytes / store_s / 1e9, num_bytes / load_s / 1e9
-    return dict(tp_size=tp.size, w_max=plan.w_max, layout=fmt.layout, payload=fmt.payload,
-                placement=fmt.placement, bytes_per_slot=pool.nbytes_per_slot(),
+    return dict(tp_size=tp.size, device=str(args.device), w_max=plan.w_max, layout=fmt.layout,
+                payload=fmt.payload, placement=fmt.placement, bytes_per_slot=pool.nbytes_per_slot(),
                 store_ms=1e3 * store_s, load_ms=1e3 * load_s, store_gbps=store, load_gbps=load,
                 copy_gbps=copy, store_vs_copy=store / copy, load_vs_copy=load / copy)
+
+
+def pick_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def main() -> None:
@@ -84,8 +100,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="slots per store/load call")
     p.add_argument("--ckpt-slots", type=int, default=64)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     args = p.parse_args()
-    tp = init_tp_group(torch.device("cpu"))
+    args.device = pick_device(args.device)
+    tp = init_tp_group(args.device)
     cfg = ModelConfig.from_dir(args.model)
     params = load_decay_params(args.model, cfg)
     identity, horizons = ModelIdentity.of(cfg, params), static_horizons(cfg, params)
@@ -107,7 +125,8 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\nTP={rows[0]['tp_size']}, threads={torch.get_num_threads()}\n")
+    print(f"\nTP={rows[0]['tp_size']}, device={rows[0]['device']}, "
+          f"threads={torch.get_num_threads()}\n")
     print("| W_max | format | placement | bytes/slot | store GB/s | load GB/s | copy GB/s "
           "| store/copy | load/copy |")
     print("|---|---|---|---|---|---|---|---|---|")

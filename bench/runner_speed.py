@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -29,13 +30,18 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     args = p.parse_args()
-    tp = init_tp_group(torch.device("cpu"))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    tp = init_tp_group(device)
     page = 16
     max_batch = max(args.decode_batch)
     per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
-    rc = RunnerConfig(args.model, dtype=args.dtype, num_pages=per_seq * max_batch, page_size=page,
-                      num_state_slots=max_batch + 1)
+    rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
+                      num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1)
     runner = ModelRunner(rc, tp)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist()
@@ -46,8 +52,9 @@ def main() -> None:
         tp.barrier()
         start = time.perf_counter()
         runner.forward([SeqInput(prompt, 0, tables[0], 1)])
+        sync(device)
         times.append(time.perf_counter() - start)
-    report(tp, kind="prefill", tp_size=tp.size, tokens=args.prompt_len,
+    report(tp, kind="prefill", tp_size=tp.size, device=str(device), tokens=args.prompt_len,
            seconds=statistics.median(times),
            tokens_per_s=args.prompt_len / statistics.median(times))
 
@@ -63,10 +70,16 @@ def main() -> None:
             tp.barrier()
             start = time.perf_counter()
             runner.forward(seqs)
+            sync(device)
             steps.append(time.perf_counter() - start)
-        report(tp, kind="decode", tp_size=tp.size, batch=batch,
+        report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
                step_ms=1000 * statistics.median(steps))
     shutdown_tp_group(tp)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def report(tp, **fields) -> None:

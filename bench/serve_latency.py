@@ -102,9 +102,12 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--serve-args", default="",
+                   help="extra dasc-serve flags, e.g. '--device cuda' (one string)")
     args = p.parse_args()
     for tp in args.tp:
-        with running_server("--model", args.model, "--tp", str(tp)) as server:
+        with running_server("--model", args.model, "--tp", str(tp),
+                            *args.serve_args.split()) as server:
             row = {"tp": tp, **hit_vs_miss(server, args), **decode_share(server, args)}
         print(json.dumps(row), flush=True)
     return 0

@@ -1,0 +1,37 @@
+"""dasc-serve on CUDA (fla kernels, NCCL at TP=2, CUDA pools and Triton checkpoint kernels)
+against the CPU path.  Skipped without a GPU; ``tests/gpu/validate.sh`` runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from serving import KIMI, running_server
+from test_serving_dasc import offline_arm
+from test_serving_exact import FAMILY, PROMPT_A, PROMPT_B, Reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cuda_server_dense_tokens_equal_the_cpu_engine(tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ref = Reference(KIMI)
+    with running_server("--model", str(KIMI), "--device", "cuda", "--tp", str(tp),
+                        "--checkpoint-interval", "32") as server:
+        for prompt in (PROMPT_A, PROMPT_B, PROMPT_B, PROMPT_A, *FAMILY):
+            body = server.complete(prompt, max_tokens=6, ignore_eos=True)
+            assert body["choices"][0]["token_ids"] == ref(prompt)[:6]
+
+
+def test_cuda_server_nr_hit_matches_the_cpu_arm():
+    context, question = list(b"The sky is blue. abcde: 12345. " * 8), list(b"\nvalue of abcde:")
+    with running_server("--model", str(KIMI), "--device", "cuda", "--wmax", "128",
+                        "--checkpoint-interval", "0") as server:
+        server.complete(context, max_tokens=1)
+        body = server.complete(context + question, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(context)
+    tokens, logprobs = offline_arm(KIMI, "nr@128", context, question)
+    assert body["choices"][0]["token_ids"] == tokens
+    served = torch.tensor(body["choices"][0]["logprobs"]["token_logprobs"])
+    torch.testing.assert_close(served, torch.tensor(logprobs), rtol=0, atol=2e-3)
