@@ -1,0 +1,1 @@
+"""`dasc-bench`: matched-budget and refresh-cost serving experiments on real dasc-serve arms."""

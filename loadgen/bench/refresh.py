@@ -1,0 +1,112 @@
+"""``dasc-bench refresh-cost``: what dasc-wr's suffix refresh costs per hit (paper Table 8).
+
+Every arm has the same fixed number of checkpoint slots (``--checkpoint-slots``), so nr and wr
+differ only in the refresh.  All arms replay one multi-turn workload (turn k extends turn k-1,
+so turn k hits turn k-1's prompt-end checkpoint) with the same request-order seeds; the cache is
+flushed before each seed.  Per seed: dTTFT = mean TTFT(wr) - mean TTFT(nr), and cost per hit =
+dTTFT x requests / hits(wr), the average latency of one reconstruction event; replayed tokens
+per hit come from the server's counters (refresh_tokens / loads_wr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from dasc_server.spawn import running_server
+from loadgen.bench.arms import Arm
+from loadgen.bench.matched import server_flags
+from loadgen.bench.report import markdown_table, per_seed, pm, run_metrics, write_json
+from loadgen.runner import Progress, run_window
+from loadgen.stream import ServerAdmin, make_client
+from loadgen.workload import multi_turn
+from model_runner.config import ModelConfig
+
+PAPER_TABLE8 = {16: (61.8, 67.0), 64: (78.9, 85.5), 128: (100.0, 108.4), 512: (230.5, 249.3),
+                1024: (393.3, 426.0)}  # W_max: (dTTFT ms, cost per hit ms), Kimi-KDA, 899 slots
+
+
+def run(args: argparse.Namespace) -> dict:
+    vocab = ModelConfig.from_dir(args.model).vocab_size
+    max_len = args.context_len + args.num_turns * args.turn_len
+    size = ["--checkpoint-slots", str(args.checkpoint_slots)]
+    arms = {}
+    for w in args.wmax:
+        for policy in ("nr", "wr"):
+            arm = Arm(w, args.placement, policy, args.int8)
+            flags = server_flags(args, arm, size, args.checkpoint_slots, max_len)
+            with running_server(*flags) as server:
+                per_seed = {}
+                for seed in args.seeds:
+                    requests = multi_turn(args.num_conversations, args.num_turns,
+                                          args.context_len, args.turn_len, (0, vocab), seed,
+                                          dataset_seed=args.dataset_seed)
+                    m = asyncio.run(_one(server.base_url, requests, args))
+                    per_seed[seed] = m
+                    print(f"[refresh-cost] {arm.name:<24} seed {seed:<4} hit "
+                          f"{m['cache_hit_rate']:.3f}  mean TTFT {m['mean_ttft_ms']:.1f} ms  "
+                          f"failed {m['failed']}", file=sys.stderr, flush=True)
+            arms[(w, policy)] = per_seed
+    rows = []
+    for w in args.wmax:
+        nr, wr = arms[(w, "nr")], arms[(w, "wr")]
+        delta = [wr[s]["mean_ttft_ms"] - nr[s]["mean_ttft_ms"] for s in args.seeds]
+        cost = [d * wr[s]["completed"] / wr[s]["num_hits"] if wr[s]["num_hits"] else None
+                for d, s in zip(delta, args.seeds)]
+        loads = sum(wr[s]["server"]["loads_wr"] for s in args.seeds)
+        replayed = sum(wr[s]["server"]["refresh_tokens"] for s in args.seeds)
+        rows.append({"w_max": w, "nr": nr, "wr": wr, "delta_ttft_ms": delta,
+                     "cost_per_hit_ms": cost,
+                     "replay_tokens_per_hit": replayed / loads if loads else None})
+    return {"command": args.command_line,
+            "config": {k: str(v) for k, v in vars(args).items() if k != "func"}, "rows": rows}
+
+
+async def _one(base_url: str, requests, args: argparse.Namespace) -> dict:
+    async with make_client(base_url, args.concurrency) as client:
+        admin = ServerAdmin(client)
+        await admin.flush()
+        before = await admin.stats()
+        progress = Progress(len(requests), "refresh-cost", not args.no_progress)
+        try:
+            win = await run_window(client, requests, args.concurrency, progress=progress)
+        finally:
+            progress.close()
+        after = await admin.stats()
+    delta = {k: v - before["counters"].get(k, 0) for k, v in after["counters"].items()}
+    for k in ("num_steps", "step_s", "compute_s"):
+        delta[k] = after[k] - before[k]
+    return run_metrics(win.results, win.duration, [delta])
+
+
+def markdown(result: dict) -> str:
+    header = ["W_max", "hit nr", "hit wr", "TTFT nr (ms)", "TTFT wr (ms)", "ΔTTFT (ms)",
+              "replay tok/hit", "cost/hit (ms)", "paper ΔTTFT / cost/hit (ms)"]
+    rows = []
+    for r in result["rows"]:
+        paper = PAPER_TABLE8.get(int(r["w_max"]))
+        tok = r["replay_tokens_per_hit"]
+        nr, wr = r["nr"], r["wr"]
+        rows.append([f"{r['w_max']:g}", pm(per_seed(nr, "cache_hit_rate"), 4),
+                     pm(per_seed(wr, "cache_hit_rate"), 4), pm(per_seed(nr, "mean_ttft_ms")),
+                     pm(per_seed(wr, "mean_ttft_ms")), pm(r["delta_ttft_ms"]),
+                     "n/a" if tok is None else f"{tok:.1f}", pm(r["cost_per_hit_ms"]),
+                     "—" if paper is None else f"{paper[0]} / {paper[1]}"])
+    cfg = result["config"]
+    return (f"{cfg['checkpoint_slots']} checkpoint slots in every arm; {cfg['num_conversations']}"
+            f" conversations × {cfg['num_turns']} turns (context {cfg['context_len']}, "
+            f"+{cfg['turn_len']} tokens per turn); placement {cfg['placement']}; mean ± SD over "
+            f"paired seeds {cfg['seeds']}.\n\n" + markdown_table(header, rows) + "\n")
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    from loadgen.bench.plots import plot_refresh
+
+    write_json(out / "refresh-cost.json", result)
+    md = f"# Fixed-slot refresh cost\n\n```\n{result['command']}\n```\n\n{markdown(result)}"
+    (out / "refresh-cost.md").write_text(md)
+    plot_refresh(result["rows"], out / "refresh-cost.png")
+    print(md)
+

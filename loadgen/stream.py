@@ -1,0 +1,195 @@
+"""One streaming completion, timed client-side, and the few admin calls the protocols need.
+
+Clocks (all ``perf_counter``, started just before the POST, as vLLM and SGLang do):
+    ttfb  first SSE data frame of any kind (vLLM's "first chunk")
+    ttft  first frame that carries generated content: non-empty ``text`` / ``delta.content`` /
+          ``token_ids``.  Role-only and usage-only frames do not count (SGLang's rule).
+    itl   gaps between successive content frames; e2el: until ``[DONE]`` or the stream's end.
+Usage comes from the final ``stream_options.include_usage`` frame; a server that does not
+report ``prompt_tokens_details.cached_tokens`` leaves ``cached_tokens`` None ("not reported").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from loadgen.workload import Request
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ttft_ms: float | None = None
+    ttfb_ms: float | None = None
+    e2el_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int = 0
+    error: str | None = None
+    start_s: float = 0.0  # send time relative to the window's start
+    tags: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.error or self.output_tokens < 2 or self.ttft_ms is None:
+            return None
+        return (self.e2el_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+    def as_json(self) -> dict:
+        return {"ttft_ms": _r(self.ttft_ms), "ttfb_ms": _r(self.ttfb_ms),
+                "e2el_ms": _r(self.e2el_ms), "tpot_ms": _r(self.tpot_ms),
+                "itl_ms": [_r(x) for x in self.itl_ms], "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
+                "error": self.error, "start_s": round(self.start_s, 4), **self.tags}
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def make_client(base_url: str, concurrency: int, api_key: str | None = None,
+                timeout: float | None = 600.0) -> httpx.AsyncClient:
+    """One keep-alive pool with a connection per concurrent request (a smaller pool would
+    queue requests in the client and throttle the load)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, limits=limits,
+                             timeout=httpx.Timeout(timeout, connect=60.0))
+
+
+def request_body(req: Request, model: str | None, ignore_eos: bool = True) -> dict:
+    body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if model:
+        body["model"] = model
+    return body
+
+
+def _has_content(choice: dict) -> bool:
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or choice.get("token_ids") or delta.get("content")
+                or delta.get("reasoning_content"))
+
+
+async def send_streaming(client: httpx.AsyncClient, req: Request, model: str | None,
+                         window_start: float) -> RequestResult:
+    """Never raises for a failed request: the failure is the result's ``error``."""
+    res = RequestResult(tags=dict(req.tags))
+    if not isinstance(req.prompt, str):
+        res.prompt_tokens = len(req.prompt)  # replaced by usage when the server reports it
+    num_content = 0
+    last = start = time.perf_counter()
+    res.start_s = start - window_start
+    try:
+        async with client.stream("POST", "/v1/completions",
+                                 json=request_body(req, model)) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                res.error = f"HTTP {resp.status_code}: {_error_message(resp.text)}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                now = time.perf_counter()
+                if res.ttfb_ms is None:
+                    res.ttfb_ms = (now - start) * 1e3
+                if data == "[DONE]":
+                    # Read on to the end of the body (the chunked terminator): a response
+                    # left unread closes its connection instead of returning it to the pool.
+                    res.e2el_ms = (now - start) * 1e3
+                    continue
+                frame = json.loads(data)
+                if frame.get("error"):
+                    res.error = f"stream error: {_error_message(json.dumps(frame))}"
+                    return res
+                if any(_has_content(c) for c in frame.get("choices") or []):
+                    if num_content == 0:
+                        res.ttft_ms = (now - start) * 1e3
+                    else:
+                        res.itl_ms.append((now - last) * 1e3)
+                    num_content += 1
+                    last = now
+                _read_usage(res, frame.get("usage"))
+        if res.e2el_ms is None:
+            res.e2el_ms = (time.perf_counter() - start) * 1e3
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"[:300]
+        return res
+    if res.ttft_ms is None:
+        res.error = "no generated content in the stream"
+    elif not res.output_tokens:
+        res.output_tokens = num_content  # usage not reported: one token per content frame
+    return res
+
+
+def _read_usage(res: RequestResult, usage: dict | None) -> None:
+    if not usage:
+        return
+    if usage.get("prompt_tokens") is not None:
+        res.prompt_tokens = usage["prompt_tokens"]
+    if usage.get("completion_tokens") is not None:
+        res.output_tokens = usage["completion_tokens"]
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        res.cached_tokens = details["cached_tokens"]
+
+
+def _error_message(text: str) -> str:
+    try:
+        obj = json.loads(text)
+        err = obj.get("error", obj)
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return str(msg)[:300]
+    except (json.JSONDecodeError, AttributeError):
+        return text[:300]
+
+
+class ServerAdmin:
+    """Cache flush and telemetry over the same pool; each is None-safe for servers that lack
+    the route (``/v1/stats`` and ``/server_info`` are dasc's; SGLang has ``/flush_cache``,
+    vLLM ``/reset_prefix_cache``)."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+
+    async def _call(self, method: str, path: str) -> httpx.Response:
+        """Admin calls are idempotent: retry a dropped connection twice."""
+        for attempt in range(3):
+            try:
+                return await self.client.request(method, path)
+            except httpx.TransportError:
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(0.5)
+        raise AssertionError("unreachable")
+
+    async def flush(self) -> None:
+        for path in ("/flush_cache", "/reset_prefix_cache"):
+            r = await self._call("POST", path)
+            if r.status_code == 200:
+                return
+        raise RuntimeError(f"the server flushes no prefix cache: {r.status_code} {r.text}")
+
+    async def get_json(self, path: str) -> dict | None:
+        """None when the server has no such route; any other failure raises."""
+        r = await self._call("GET", path)
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return r.json()
+
+    async def stats(self) -> dict | None:
+        return await self.get_json("/v1/stats")
+
+    async def server_info(self) -> dict | None:
+        return await self.get_json("/server_info")

@@ -1,0 +1,42 @@
+"""A tiny ``dasc-bench matched-budget`` (dense + dasc-nr W_max 128, one seed, a dozen prompts,
+TP=1): both arms start on the same budget with the slot counts the accounting predicts, run the
+same phase workload, and the table, JSON and plot come out."""
+
+from __future__ import annotations
+
+import json
+
+from loadgen.bench.arms import Arm, SlotPlanner
+from loadgen.bench.cli import main as bench
+
+
+def test_tiny_matched_budget(tmp_path):
+    out = tmp_path / "mb"
+    code = bench(["matched-budget", "--dense-slots", "8", "--wmax", "128", "--boundary-wmax",
+                  "128", "--placements", "hybrid", "--policies", "nr", "--seeds", "42",
+                  "--num-prompts", "12", "--prompt-len", "24", "--dense-replays", "2",
+                  "--checkpoint-interval", "0", "--no-cache-finished", "--concurrency", "6",
+                  "--out", str(out), "--no-progress", "--save-requests"])
+    assert code == 0
+    result = json.loads((out / "matched-budget.json").read_text())
+    dense, dasc = result["arms"]
+    planner = SlotPlanner(dense_slots=8, model=result["config"]["model"], tp_size=1)
+    assert dense["slots"] == planner.slots(Arm(0)) == 7  # floor(8 dense slots) - 1
+    assert dasc["slots"] == planner.slots(Arm(128, "hybrid")) > dense["slots"]
+    assert dasc["capacity_ratio"] > 1.5
+    # dense 1 block of ceil(7 / 0.85) = 9 prompts x 2 replays; W128 and full: all 12 prompts
+    assert [(p["block_len"], p["num_blocks"], p["num_replays"]) for p in result["phases"]] == [
+        (9, 1, 2), (12, 1, 1), (12, 1, 1)]
+    for arm in (dense, dasc):
+        m = arm["seeds"]["42"]
+        assert (m["completed"], m["failed"]) == (9 * 2 + 12 + 12, 0)
+        assert m["server"]["cached_tokens"] == m["total_cached_tokens"]
+        assert m["server"]["prompt_tokens"] == m["total_input_tokens"] == m["completed"] * 24
+    assert dense["seeds"]["42"]["ttft_ratio"] == 1.0
+    # every prompt fits the dasc arm's slots: each replay hits at len - 1
+    assert dasc["seeds"]["42"]["cache_hit_rate"] == 23 / 24
+    assert dense["seeds"]["42"]["cache_hit_rate"] < 23 / 24
+    md = (out / "matched-budget.md").read_text()
+    assert "| dense | 7 |" in md and "dasc-nr W=128 hybrid" in md and "TTFT / dense" in md
+    assert (out / "matched-budget.png").stat().st_size > 10_000
+    assert len((out / "requests" / "dense.jsonl").read_text().splitlines()) == 42
