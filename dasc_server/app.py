@@ -157,7 +157,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
 
     @app.get("/server_info")
     async def server_info() -> dict:
-        return asdict(engine.info)
+        return {**asdict(engine.info), "arm": engine.info.arm}
 
     async def scheduler_stats():
         try:

@@ -122,6 +122,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "teacher-forced argmax path already is the gold completion)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--base-url", default=None,
+                   help="evaluate through a running dasc-serve instead (warm-then-replay; the "
+                        "arm is the server's; --model names the tokenizer folder)")
+    p.add_argument("--api-key", default=None, help="with --base-url: the server's API key")
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="with --base-url: instances in flight")
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.lengths = 3, [min(args.lengths)]
@@ -148,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown task {unknown[0]!r}" if unknown else "error: --n must be >= 1",
               file=sys.stderr)
         return 2
+    if args.base_url:
+        return main_served(args)
     if args.tp > 1 and not is_rank_process():
         return relaunch(args.tp, "loadgen.offline_eval", raw)
     try:
@@ -164,6 +172,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(r.to_json()))
         elif results:
             print(markdown_table(results, args.task_list))
+    return 0
+
+
+def main_served(args: argparse.Namespace) -> int:
+    import httpx
+
+    from loadgen.served_eval import print_json, run_served
+
+    try:
+        results, loaded = run_served(args)
+    except (httpx.HTTPError, OSError, ValueError) as e:
+        print(f"error: {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print_json(results, loaded)
+    else:
+        print(markdown_table(results, args.task_list))
+        worst = min(loaded.values())
+        print(f"\nquestions that hit their warm context: {worst:.2f} at worst")
     return 0
 
 

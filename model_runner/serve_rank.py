@@ -104,7 +104,8 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
                                                                 placement=args.placement))
     info = RankInfo(cfg.architecture, tp.size, cfg.vocab_size, cfg.eos_token_id,
                     max_context_len(args.model), num_slots, slot_bytes,
-                    dense_slot_bytes(cfg, tp.size), plan.refresh_window)
+                    dense_slot_bytes(cfg, tp.size), plan.refresh_window,
+                    f"{args.selection} {payload} {args.placement}")
     return runner, tp, info
 
 

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model, info.model_type, info.tp_size, info.vocab_size, info.eos_token_id,
         cfg.max_total_tokens, info.max_context_len, cfg.max_running_requests,
         info.num_checkpoint_slots, info.checkpoint_bytes_per_slot, info.dense_bytes_per_slot,
-        args.wmax, args.load_policy, info.refresh_window, cfg.prefix_cache))
+        args.wmax, args.load_policy, info.refresh_window, cfg.prefix_cache,
+        info.checkpoint_format))
     proc = SchedulerProcess(Scheduler(cfg), rank, front)
     try:
         proc.run()

@@ -115,6 +115,19 @@ class ServerInfo:
     load_policy: str
     refresh_window: int
     prefix_cache: bool
+    checkpoint_format: str = ""  # "<selection> <payload> <placement>", e.g. "dasc fp32 hybrid"
+
+    @property
+    def arm(self) -> str:
+        """The evaluation arm this server restores, in dasc-eval's names (dense, nr@16,
+        wr@128, nr-int8@16, random@16)."""
+        if self.w_max == 0:
+            return "dense"
+        selection, payload, _ = (self.checkpoint_format.split() + ["", "", ""])[:3]
+        kind = "random" if selection == "random" else self.load_policy
+        if payload == "int8" and kind == "nr":
+            kind = "nr-int8"
+        return f"{kind}@{self.w_max:g}"
 
 
 # ---- scheduler <-> rank 0 ----------------------------------------------------------------------
@@ -133,6 +146,7 @@ class RankInfo:
     checkpoint_bytes_per_slot: int  # max over ranks
     dense_bytes_per_slot: int  # max over ranks, W_max = 0
     refresh_window: int  # dasc-wr replay length W_wr (0: nothing omitted)
+    checkpoint_format: str = ""  # "<selection> <payload> <placement>", e.g. "dasc fp32 hybrid"
 
 
 @dataclass(slots=True)

@@ -11,6 +11,8 @@ match the offline arm to float precision and differ from the dense arm's.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from serving import KIMI, QWEN, running_server
@@ -31,8 +33,8 @@ CASES = [("nr@128", KIMI, [], "dense"), ("wr@128", KIMI, ["--load-policy", "wr"]
           "nr@512")]
 
 
-def offline_arm(model_dir, arm: str, context: list[int], question: list[int]
-                ) -> tuple[list[int], list[float]]:
+def offline_arm(model_dir, arm: str, context: list[int], question: list[int],
+                num_tokens: int = NUM_TOKENS) -> tuple[list[int], list[float]]:
     """What ``dasc-eval`` computes for one instance: prefill the context, apply the arm's
     store/load (and refresh), prefill the question, decode greedily; tokens and logprobs."""
     rc = RunnerConfig(str(model_dir), num_pages=64, page_size=16, num_state_slots=3)
@@ -43,7 +45,7 @@ def offline_arm(model_dir, arm: str, context: list[int], question: list[int]
     seq.prefix_len, seq.token_ids = len(context), question
     apply_arm(runner, [seq], arm, [context])
     tokens, logprobs = [], []
-    for _ in range(NUM_TOKENS):
+    for _ in range(num_tokens):
         logp = torch.log_softmax(runner.forward([seq])[0].float(), dim=-1)
         tokens.append(int(logp.argmax()))
         logprobs.append(float(logp[tokens[-1]]))
@@ -75,3 +77,31 @@ def test_hit_equals_the_offline_eval_arm(arm, model, flags, other):
             # measured: to_arm <= 3e-7 (float noise of a different prefill chunking),
             # to_other >= 3.6e-5
             assert to_arm < 1e-5 and 10 * to_arm < to_other, (to_arm, to_other)
+
+
+def test_dasc_eval_through_the_server_equals_the_offline_arm():
+    """``dasc-eval --base-url``: the warm-then-replay answers are the offline arm's."""
+    import subprocess
+    import sys
+
+    from client import DascClient
+    from loadgen.served_eval import answer
+    from loadgen.tasks import TASKS
+
+    insts = make_instances("s1", 512, 2, seed=9) + make_instances("fwe", 512, 1, seed=9)
+    with running_server("--model", str(KIMI), "--wmax", "128", "--checkpoint-interval",
+                        "0") as server:
+        with DascClient(server.base_url) as client:
+            for inst in insts:
+                _, hit, text = answer(client, lambda t: list(t.encode()), inst)
+                context, question = list(inst.context.encode()), list(inst.question.encode())
+                tokens, _ = offline_arm(KIMI, "nr@128", context, question,
+                                        TASKS[inst.task].max_new_tokens)
+                want = bytes(t for t in tokens if t < 256).decode(errors="replace")
+                assert hit and text == want[: want.index("\n") + 1 if "\n" in want else None]
+        cmd = [sys.executable, "-m", "loadgen.offline_eval", "--base-url", server.base_url,
+               "--model", str(KIMI), "--tasks", "s1", "--quick", "--json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout.splitlines()[0])
+    assert (row["arm"], row["task"], row["n"], row["loaded"]) == ("nr@128", "s1", 3, 1.0)
