@@ -130,7 +130,7 @@ def test_overload_answers_503_with_retry_after():
     with running_server("--model", str(KIMI), *flags) as server:
         def send(_):
             return httpx.post(f"{server.base_url}/v1/completions", timeout=120,
-                              json={"prompt": [65] * 50, "max_tokens": 40, "ignore_eos": True})
+                              json={"prompt": [65] * 50, "max_tokens": 150, "ignore_eos": True})
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(send, range(8)))
         codes = sorted(r.status_code for r in replies)
