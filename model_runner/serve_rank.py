@@ -30,6 +30,7 @@ from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import sample_tokens
 from scheduler import ipc
 from scheduler.messages import BatchPlan, RankInfo, SeqStep, Shutdown, StepResult
+from scheduler.scheduler import active_state_slots
 
 
 def add_rank_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +90,7 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
     cfg = ModelConfig.from_dir(args.model)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
                       num_pages=args.max_total_tokens, page_size=1,
-                      num_state_slots=1 + 2 * args.max_running_requests)
+                      num_state_slots=active_state_slots(args.max_running_requests))
     plan = build_plan(args, cfg)
     head_order = placement_head_order(plan, cfg, tp.size, args.placement)
     runner = ModelRunner(rc, tp, head_order)

@@ -31,6 +31,13 @@ class Req:
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_tokens[start:end]`` without building the whole list (a decode step's token)."""
+        n = len(self.prompt)
+        if start >= n:
+            return self.output[start - n : end - n]
+        return self.prompt[start:end] + self.output[: max(0, end - n)]
+
     @property
     def is_prefilling(self) -> bool:
         return self.computed < len(self.prompt)

@@ -24,6 +24,11 @@ from scheduler.radix_cache import RadixCache
 from scheduler.request import Req
 
 
+def active_state_slots(max_running_requests: int) -> int:
+    """The ranks' active state pool: slot 0 reserved, one per request, one wr scratch each."""
+    return 1 + 2 * max_running_requests
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_total_tokens: int  # KV rows (page size 1)
@@ -46,7 +51,7 @@ class SchedulerConfig:
 
     @property
     def num_state_slots(self) -> int:
-        return 1 + 2 * self.max_running_requests
+        return active_state_slots(self.max_running_requests)
 
 
 class Scheduler:
@@ -130,8 +135,9 @@ class Scheduler:
             if r.hit_len:
                 ckpt_locked.append(r.node)
             budget -= self._add_chunk(plan, r, budget)
-        for r, _, _ in self._inflight:  # after every match: stores never feed this step's loads
-            self._plan_store(plan, r)
+        for r, n, _ in self._inflight:  # after every match: stores never feed this step's loads
+            if r.is_prefilling:
+                self._plan_store(plan, r, r.computed + n)
         for node in ckpt_locked:
             self.cache.unlock_ckpt(node)
         if not plan.seqs and not plan.stores_before:
@@ -197,17 +203,15 @@ class Scheduler:
         return end - r.computed
 
     def _add_seq(self, plan: BatchPlan, r: Req, end: int) -> None:
-        tokens = r.all_tokens
         sample = None
-        if end == len(tokens):
+        if end == len(r.prompt) + len(r.output):
             s = r.sampling
             sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output))
-        plan.seqs.append(SeqStep(tokens[r.computed : end], r.computed, r.rows[:end], r.slot,
-                                 sample))
+        plan.seqs.append(SeqStep(r.token_slice(r.computed, end), r.computed, r.rows[:end],
+                                 r.slot, sample))
         self._inflight.append((r, end - r.computed, sample is not None))
 
-    def _plan_store(self, plan: BatchPlan, r: Req) -> None:
-        end = r.computed + next(n for q, n, _ in self._inflight if q is r)
+    def _plan_store(self, plan: BatchPlan, r: Req, end: int) -> None:
         if end not in self._boundaries(r) or self.cache.ckpt_at(r.prompt[:end]) is not None:
             return
         ckpt = self.cache.alloc_ckpt()
@@ -249,7 +253,7 @@ class Scheduler:
         """Hand [0, end) of the request to the tree with a checkpoint at ``end``; the request
         keeps a lock on the new node and adopts the tree's rows.  False: the tree already had
         a checkpoint there and ``ckpt`` went back to the pool."""
-        res = self.cache.insert(r.all_tokens[:end], r.rows[:end], ckpt)
+        res = self.cache.insert(r.token_slice(0, end), r.rows[:end], ckpt)
         if not res.ckpt_taken:
             self.cache.ckpt_pool.free([ckpt])
         if res.num_existing > r.cached_len:  # someone cached these tokens first: drop ours
@@ -266,7 +270,7 @@ class Scheduler:
         cache = self.cache
         end = r.computed
         if (reason != "abort" and self.cfg.prefix_cache and self.cfg.cache_finished
-                and end > r.cached_len and cache.ckpt_at(r.all_tokens[:end]) is None):
+                and end > r.cached_len and cache.ckpt_at(r.token_slice(0, end)) is None):
             ckpt = cache.alloc_ckpt()
             if ckpt is not None and self._cache_prefix(r, end, ckpt):
                 # written at the start of the next step, before any load can read it

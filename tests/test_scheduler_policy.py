@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_radix_cache import prefix_hashes
 
 from scheduler.messages import BatchPlan, SamplingParams, StepResult, TokenOut
 from scheduler.radix_cache import Node
@@ -19,14 +20,6 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 ROOT = Path(__file__).resolve().parent.parent
 EOS = 0
 
-
-def prefix_hashes(tokens: list[int]) -> list[int]:
-    """hs[i] identifies tokens[: i + 1]."""
-    out, h = [], 0
-    for t in tokens:
-        h = hash((h, t))
-        out.append(h)
-    return out
 
 
 def state_of(tokens: list[int]) -> tuple[int, int]:

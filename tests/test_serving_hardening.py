@@ -16,7 +16,7 @@ import httpx
 import pytest
 from serving import KIMI, running_server
 from test_serving_exact import Reference
-from test_serving_lifecycle import children_of, group_alive
+from test_serving_lifecycle import children_of, children_running, wait_group_gone
 
 KEY = "test-key-5b1e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -160,8 +160,7 @@ def test_sigterm_lets_a_stream_in_flight_finish():
 
 def test_rank_killed_mid_stream_ends_the_stream_and_the_server():
     with running_server("--model", str(KIMI), "--tp", "2") as server:
-        torchrun = [p for p in children_of(server.proc.pid)
-                    if "torch.distributed.run" in open(f"/proc/{p}/cmdline").read()][0]
+        torchrun = children_running(server.proc.pid, "torch.distributed.run")[0]
         victim = children_of(torchrun)[-1]
         body = {"prompt": [65, 66, 67], "max_tokens": 400, "stream": True, "ignore_eos": True}
         lines = []
@@ -174,10 +173,7 @@ def test_rank_killed_mid_stream_ends_the_stream_and_the_server():
                     killed = time.monotonic()
         assert any('"error"' in line for line in lines), lines[-3:]
         assert server.proc.wait(10) != 0 and time.monotonic() - killed < 10
-        deadline = time.monotonic() + 10
-        while group_alive(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not group_alive(server.proc.pid), "a server process outlived the failure"
+        wait_group_gone(server.proc.pid)
         assert "error:" in server.log()
 
 

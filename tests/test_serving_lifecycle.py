@@ -27,6 +27,18 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def children_running(pid: int, needle: str) -> list[int]:
+    """Children of ``pid`` whose command line (NUL-separated) contains ``needle``."""
+    return [p for p in children_of(pid) if needle in open(f"/proc/{p}/cmdline").read()]
+
+
+def wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(pgid), "a server process outlived dasc-serve"
+
+
 def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
     try:
         return proc.wait(timeout=timeout)
@@ -40,17 +52,13 @@ def test_sigterm_stops_every_process_and_exits_zero():
         assert len(children_of(server.proc.pid)) == 2  # scheduler + torchrun
         server.proc.send_signal(signal.SIGTERM)  # the launcher only, not its group
         assert wait_exit(server.proc, 20) == 0
-        deadline = time.monotonic() + 10
-        while group_alive(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not group_alive(server.proc.pid), "a child outlived dasc-serve"
+        wait_group_gone(server.proc.pid)
 
 
 def test_a_dead_rank_ends_the_server_with_an_error():
     with running_server("--model", str(KIMI)) as server:
         launcher = server.proc.pid
-        ranks = [p for p in children_of(launcher)
-                 if "serve_rank" in open(f"/proc/{p}/cmdline").read()]
+        ranks = children_running(launcher, "serve_rank")
         assert len(ranks) == 1
         started = time.monotonic()
         os.kill(ranks[0], signal.SIGKILL)
@@ -61,8 +69,7 @@ def test_a_dead_rank_ends_the_server_with_an_error():
 
 def test_a_dead_scheduler_ends_the_server_and_its_ranks():
     with running_server("--model", str(KIMI), "--tp", "2") as server:
-        scheduler = [p for p in children_of(server.proc.pid)
-                     if "-m\0scheduler" in open(f"/proc/{p}/cmdline").read()]
+        scheduler = children_running(server.proc.pid, "-m\0scheduler")
         assert len(scheduler) == 1
         started = time.monotonic()
         os.kill(scheduler[0], signal.SIGKILL)
@@ -71,10 +78,7 @@ def test_a_dead_scheduler_ends_the_server_and_its_ranks():
         log = server.log()
         assert "error: the scheduler exited" in log or "error: lost the scheduler" in log
         assert "Traceback" not in log  # the ranks stop in step, without a collective error
-        deadline = time.monotonic() + 10
-        while group_alive(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not group_alive(server.proc.pid), "a rank outlived the scheduler"
+        wait_group_gone(server.proc.pid)
 
 
 def test_bad_arguments_fail_before_anything_starts(tmp_path):
