@@ -8,6 +8,8 @@ One CheckpointPool per (W_max, format) on the model's real decay weights; every 
 `--batch` slots (random, distinct active and checkpoint slot ids). GB/s = stored bytes moved
 (bytes per slot on this rank x batch) / median seconds per call; `copy` is `dst.copy_(src)` of
 a same-sized fp32 buffer. Rank 0 prints one JSON line per row, then a markdown table.
+On CPU the pool runs the one-pass C kernels (kernels/state_copy.py); DASC_NATIVE_KERNELS=0
+measures the torch flat-row fallback instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 import torch
 
+from kernels.state_copy import native_library
 from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.placement import head_permutation
@@ -125,8 +128,9 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
+    cpu_path = "C runs" if native_library() is not None else "torch flat rows"
     print(f"\nTP={rows[0]['tp_size']}, device={rows[0]['device']}, "
-          f"threads={torch.get_num_threads()}\n")
+          f"threads={torch.get_num_threads()}, CPU path: {cpu_path}\n")
     print("| W_max | format | placement | bytes/slot | store GB/s | load GB/s | copy GB/s "
           "| store/copy | load/copy |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model_runner.compression import checkpoint
 from model_runner.compression.accounting import report_plan
 from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
 from model_runner.compression.horizons import random_decay_params, static_horizons
@@ -153,7 +154,14 @@ def strided(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("name", ["tiny-gdn", "tiny-kda"])
-def test_cpu_flat_path_equals_kernel_path(name: str, fmt: CheckpointFormat) -> None:
+@pytest.mark.parametrize("cpu_path", ["native", "torch"])
+def test_cpu_paths_equal_kernel_path(name: str, fmt: CheckpointFormat, cpu_path: str,
+                                     monkeypatch) -> None:
+    """Both CPU paths (the C runs; torch flat rows where no compiler is) = the kernel path."""
+    if cpu_path == "torch":
+        monkeypatch.setattr(checkpoint, "native_library", lambda: None)
+    elif checkpoint.native_library() is None:
+        pytest.skip("no C compiler here")
     cfg = load_cfg(name)
     params = random_decay_params(cfg, seed=11)
     horizons = static_horizons(cfg, params)

@@ -36,6 +36,15 @@ from kernels.ragged_state_cpu import (
     stage_units,
     take_rows,
 )
+from kernels.state_copy import (
+    StateRuns,
+    check_slots,
+    conv_runs,
+    copy_runs,
+    dequantize_runs,
+    native_library,
+    quantize_runs,
+)
 from model_runner.compression.placement import (
     PLACEMENTS,
     HeadOrder,
@@ -153,6 +162,8 @@ class CheckpointPool:
         self.conv = self._conv_slots.transpose(0, 1)  # [L, N, conv_dim_loc, k-1]
         self.temporal_shape = (num_layers, heads_loc, k, v)
         self._scratch = Scratch(self.device)  # CPU staging buffers
+        self._runs = StateRuns.of(self.index, self.unit_dim)  # CPU one-pass runs
+        self._slot_bytes = self.temporal.stride(0) * self.temporal.element_size()
 
     # ---- sizes ------------------------------------------------------------------------------
     @property
@@ -172,8 +183,8 @@ class CheckpointPool:
         self._check_conv(conv)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():  # ranks of a balanced pool all skip an empty call together
-            store = self._store_flat if self._is_flat(pool, conv) else self._store_kernels
-            store(pool, conv, src, dst)
+            self._cpu_path(pool, conv, self._store_native, self._store_flat,
+                           self._store_kernels)(pool, conv, src, dst)
 
     def load(self, temporal: torch.Tensor, conv: torch.Tensor, src_slots: torch.Tensor,
              dst_slots: torch.Tensor) -> None:
@@ -186,8 +197,8 @@ class CheckpointPool:
         self._check_conv(conv)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():
-            load = self._load_flat if self._is_flat(pool, conv) else self._load_kernels
-            load(pool, conv, src, dst)
+            self._cpu_path(pool, conv, self._load_native, self._load_flat,
+                           self._load_kernels)(pool, conv, src, dst)
 
     # ---- CUDA (Triton kernels; also any non-contiguous state) -------------------------------
     def _store_kernels(self, pool, conv, src, dst) -> None:
@@ -226,9 +237,67 @@ class CheckpointPool:
             packed = dequantize_int8(q, s).view(num_reqs, idx.num_rows, self.unit_dim)
         scatter_units(packed, torch.arange(num_reqs, device=self.device), idx.unit_pos, pool, dst)
 
-    # ---- CPU: one flat row gather + one block write per buffer (kernels/ragged_state_cpu.py) --
-    def _is_flat(self, pool: torch.Tensor, conv: torch.Tensor) -> bool:
-        return pool.device.type == "cpu" and pool.is_contiguous() and conv.is_contiguous()
+    def _cpu_path(self, pool, conv, native, flat, kernels):
+        """Contiguous CPU state: the one-pass C runs when the library is built, else torch's
+        flat rows; CUDA or strided state: the kernel path."""
+        if pool.device.type != "cpu" or not pool.is_contiguous() or not conv.is_contiguous():
+            return kernels
+        return native if native_library() is not None else flat
+
+    # ---- CPU: one pass per buffer over precomputed runs (kernels/state_copy.py) -------------
+    def _copy_conv(self, conv, src, dst, store: bool) -> None:
+        ckpt = self._conv_slots  # [N, L, C, k-1]
+        if conv.dtype != ckpt.dtype:  # a conversion, not a copy: torch's
+            if store:
+                self.conv[:, dst] = conv[:, src].to(ckpt.dtype)
+            else:
+                conv[:, dst] = self.conv[:, src].to(conv.dtype)
+            return
+        block = conv.stride(1) * conv.element_size()  # one layer of one slot
+        to_ckpt, to_pool = conv_runs(conv.shape[0], conv.shape[1], block)
+        if store:
+            copy_runs(conv, ckpt, src, dst, block, conv.shape[0] * block, to_ckpt)
+        else:
+            copy_runs(ckpt, conv, src, dst, conv.shape[0] * block, block, to_pool)
+
+    def _store_native(self, pool, conv, src, dst) -> None:
+        num_slots, slot_floats = pool.shape[1], pool.stride(1)
+        src, dst = check_slots(src, num_slots, "active"), check_slots(dst, self.num_slots,
+                                                                      "checkpoint")
+        self._copy_conv(conv, src, dst, store=True)
+        if self.scale is not None and self.balance is None:
+            quantize_runs(pool, self.temporal, self.scale, src, dst, slot_floats,
+                          self._runs.int8(num_slots)[0], *self.unit_rows)
+            return
+        runs = self._runs.fp32(num_slots)[0]
+        if self.balance is None:
+            copy_runs(pool, self.temporal, src, dst, slot_floats * 4, self._slot_bytes, runs)
+            return
+        num_reqs = src.numel()  # pack [B, R, D] fp32, then balance (and quantise)
+        packed = self._scratch.get("units_out", (num_reqs, self.index.num_rows, self.unit_dim),
+                                   torch.float32)
+        copy_runs(pool, packed, src, torch.arange(num_reqs), slot_floats * 4,
+                  packed.stride(0) * 4, runs)
+        self._store_packed(packed, dst)
+
+    def _load_native(self, pool, conv, src, dst) -> None:
+        num_slots, slot_floats = pool.shape[1], pool.stride(1)
+        src, dst = check_slots(src, self.num_slots, "checkpoint"), check_slots(dst, num_slots,
+                                                                               "active")
+        self._copy_conv(conv, src, dst, store=False)
+        if self.scale is not None and self.balance is None:
+            dequantize_runs(self.temporal, self.scale, pool, src, dst, slot_floats,
+                            self._runs.int8(num_slots)[1], *self.unit_rows)
+            return
+        runs = self._runs.fp32(num_slots)[1]
+        if self.balance is None:
+            copy_runs(self.temporal, pool, src, dst, self._slot_bytes, slot_floats * 4, runs)
+            return
+        packed = self._unbalance(src)[self._flat.group:]  # collective; fp32 [B * R, D]
+        copy_runs(packed, pool, torch.arange(src.numel()), dst,
+                  self.index.num_rows * self.unit_dim * 4, slot_floats * 4, runs)
+
+    # ---- CPU without the C library: one flat row gather + one block write per buffer --------
 
     def _store_flat(self, pool, conv, src, dst) -> None:
         num_reqs, buffer = src.numel(), self._scratch.get
@@ -239,7 +308,13 @@ class CheckpointPool:
                                   conv.dtype))  # [B, L * conv]
         put_rows(self._conv_slots.flatten(1), dst, staged.to(self.conv.dtype))
         shape = (num_reqs, self.index.num_rows, self.unit_dim)  # [B, R, D]
-        packed = stage_units(pool, src, self._flat, buffer("units_out", shape, torch.float32))
+        self._store_packed(stage_units(pool, src, self._flat,
+                                       buffer("units_out", shape, torch.float32)), dst)
+
+    def _store_packed(self, packed, dst) -> None:
+        """Packed rows [B, R, D] fp32 (overwritten) -> checkpoint slots dst: balance and
+        quantise as the format asks."""
+        shape, buffer = packed.shape, self._scratch.get
         if self.scale is None:
             put_rows(self.temporal.flatten(1), dst, self._balance_out(packed).flatten(1))
             return
