@@ -7,7 +7,9 @@
 One CheckpointPool per (W_max, format) on the model's real decay weights; every call moves
 `--batch` slots (random, distinct active and checkpoint slot ids). GB/s = stored bytes moved
 (bytes per slot on this rank x batch) / median seconds per call; `copy` is `dst.copy_(src)` of
-a same-sized fp32 buffer. Rank 0 prints one JSON line per row, then a markdown table.
+a same-sized fp32 buffer; `load/slot copy` compares a load with a copy of the whole active
+slots it writes (retained units, zeros for omitted ones, conv state). Rank 0 prints one JSON
+line per row, then a markdown table.
 On CPU the pool runs the one-pass C kernels (kernels/state_copy.py); DASC_NATIVE_KERNELS=0
 measures the torch flat-row fallback instead.
 """
@@ -80,10 +82,15 @@ def bench_one(cfg, plan, fmt, tp, args, gen) -> dict:
     num_bytes = pool.nbytes_per_slot() * args.batch
     copy = copy_gbps(num_bytes, args.repeats, args.device)
     store, load = num_bytes / store_s / 1e9, num_bytes / load_s / 1e9
+    # A load writes whole active slots (omitted units as zeros), fp32 even from INT8 payloads:
+    # its floor is a copy of those bytes, not of the stored ones.
+    slot_bytes = (temporal[:, 0].nbytes + conv[:, 0].nbytes) * args.batch
+    slot_copy = copy_gbps(slot_bytes, args.repeats, args.device)
     return dict(tp_size=tp.size, device=str(args.device), w_max=plan.w_max, layout=fmt.layout,
                 payload=fmt.payload, placement=fmt.placement, bytes_per_slot=pool.nbytes_per_slot(),
                 store_ms=1e3 * store_s, load_ms=1e3 * load_s, store_gbps=store, load_gbps=load,
-                copy_gbps=copy, store_vs_copy=store / copy, load_vs_copy=load / copy)
+                copy_gbps=copy, store_vs_copy=store / copy, load_vs_copy=load / copy,
+                load_vs_slot_copy=slot_bytes / load_s / 1e9 / slot_copy)
 
 
 def pick_device(name: str) -> torch.device:
@@ -132,12 +139,13 @@ def print_table(rows: list[dict]) -> None:
     print(f"\nTP={rows[0]['tp_size']}, device={rows[0]['device']}, "
           f"threads={torch.get_num_threads()}, CPU path: {cpu_path}\n")
     print("| W_max | format | placement | bytes/slot | store GB/s | load GB/s | copy GB/s "
-          "| store/copy | load/copy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| store/copy | load/copy | load/slot copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['w_max']:g} | {r['layout']} {r['payload']} | {r['placement']} "
               f"| {r['bytes_per_slot']:,} | {r['store_gbps']:.2f} | {r['load_gbps']:.2f} "
-              f"| {r['copy_gbps']:.2f} | {r['store_vs_copy']:.2f} | {r['load_vs_copy']:.2f} |")
+              f"| {r['copy_gbps']:.2f} | {r['store_vs_copy']:.2f} | {r['load_vs_copy']:.2f} "
+              f"| {r['load_vs_slot_copy']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class _GenerationRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)  # distinct seeds, distinct samples
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

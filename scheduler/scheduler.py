@@ -100,6 +100,7 @@ class Scheduler:
         for r in self.waiting:
             if r.rid == rid:
                 self.waiting.remove(r)
+                r.finish_reason = "abort"
                 return TokenOut(rid, [], finished=True, finish_reason="abort",
                                 prompt_tokens=len(r.prompt))
         for r in self.running:

@@ -321,8 +321,7 @@ def test_random_workload(cfg, seed):
     for rid, r in done.items():
         last = loop.final(rid)
         assert last.finish_reason != "error"
-        if last.finish_reason != "abort":  # a request aborted while waiting keeps None
-            assert last.finish_reason == r.finish_reason
+        assert last.finish_reason == r.finish_reason
         reasons.add(last.finish_reason)
         assert loop.output(rid) == r.output and last.prompt_tokens == len(r.prompt)
         assert all(o.cached_tokens == r.hit_len for o in loop.outs[rid])
@@ -501,9 +500,10 @@ def test_abort_waiting_and_running_requests():
     loop.add("wait", prompt_of(12, seed=4), 5)
     loop.step()
     assert [r.rid for r in s.running] == ["run"] and [r.rid for r in s.waiting] == ["wait"]
+    waiting = s.waiting[0]
     loop.abort("wait")
     loop.abort("run")
-    assert loop.final("wait").finish_reason == "abort"
+    assert loop.final("wait").finish_reason == waiting.finish_reason == "abort"
     assert loop.final("run").finish_reason == "abort"
     assert s.abort("nobody") is None
     assert_drained(s)

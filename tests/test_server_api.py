@@ -307,6 +307,8 @@ BAD_REQUESTS = {
     "chat-no-messages": ({"messages": []}, 400, "messages"),
     "wrong-type-max-tokens": ({"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
     "wrong-type-prompt": ({"prompt": 12}, 400, "prompt"),
+    "seed-beyond-int63": ({"prompt": "a", "seed": 2**63}, 400, "seed"),  # would collide
+    "negative-seed": ({"prompt": "a", "seed": -1}, 400, "seed"),
 }
 
 
