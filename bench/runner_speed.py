@@ -1,6 +1,7 @@
 """Prefill throughput and decode step time of the runner (run as one rank or under torchrun).
 
     python bench/runner_speed.py [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
+                                 [--cuda-graph]
     torchrun --standalone --nproc-per-node 2 bench/runner_speed.py ...
 
 Rank 0 prints one JSON line per measurement (median of --repeats).
@@ -31,6 +32,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="decode through model_runner.cuda_graph: replayed CUDA graphs on cuda, "
+                        "the same fixed-shape step eagerly on cpu")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -41,8 +45,12 @@ def main() -> None:
     max_batch = max(args.decode_batch)
     per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
-                      num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1)
+                      num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1,
+                      cuda_graph_max_bs=max_batch if args.cuda_graph else 0)
     runner = ModelRunner(rc, tp)
+    decode_path = "eager"
+    if args.cuda_graph:
+        decode_path = "cuda-graph" if device.type == "cuda" else "fixed-shape eager"
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist()
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max_batch)]
@@ -73,7 +81,7 @@ def main() -> None:
             sync(device)
             steps.append(time.perf_counter() - start)
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
-               step_ms=1000 * statistics.median(steps))
+               decode_path=decode_path, step_ms=1000 * statistics.median(steps))
     shutdown_tp_group(tp)
 
 

@@ -29,8 +29,8 @@ from scheduler.messages import ServerInfo, Shutdown
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_runner" / "assets" / \
     "kimi-linear-tiny"
 RANK_FLAGS = ("--dtype", "--device", "--wmax", "--load-policy", "--placement", "--mask-seed",
-              "--selection", "--state-budget-bytes", "--checkpoint-slots")
-RANK_SWITCHES = ("--int8-checkpoints",)
+              "--selection", "--state-budget-bytes", "--checkpoint-slots", "--cuda-graph-max-bs")
+RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
 SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
                "--checkpoint-interval", "--wmax", "--load-policy")
 SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
@@ -80,7 +80,8 @@ def validate(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_dir(model_dir)
     check_tp(cfg, args.tp, str(model_dir / "config.json"))
     check_weight_files(model_dir)
-    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
+    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
+                 "cuda_graph_max_bs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.checkpoint_interval < 0 or args.wmax < 0:

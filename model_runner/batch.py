@@ -5,6 +5,11 @@ A step is a list of sequences; sequence i brings ``len(token_ids)`` new tokens a
 its active state slot must hold the recurrent state after ``prefix_len`` tokens (a slot is zeroed
 by the runner when ``prefix_len == 0``).  Flattened token order is sequence-major:
 sequence i occupies ``[cu_seqlens[i], cu_seqlens[i+1])``.
+
+A *static* decode batch (``kv_table`` set, built by ``model_runner.cuda_graph``) has one token per
+sequence, fixed shapes and only device tensors on its read path, so a CUDA graph can replay it;
+the host lists (``seq_lens``, ``prefix_lens``, ``cu_seqlens``, ``kv_read_index``) are then
+placeholders that no layer reads.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class ForwardBatch:
     kv_read_index: list[torch.Tensor]  # per sequence: flat rows of positions [0, prefix + n)
     is_decode: bool  # every sequence brings exactly one token
     write_kv: bool = True  # False: replay over cached KV, which stays read-only (dasc-wr)
+    kv_table: torch.Tensor | None = None  # [B, C] static decode: KV rows of positions [0, C)
+    kv_lens: torch.Tensor | None = None  # [B] static decode: valid table columns [0, len)
     last_token_index: torch.Tensor = field(init=False)  # [B] row of each sequence's last token
 
     def __post_init__(self) -> None:
@@ -42,6 +49,21 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def is_static(self) -> bool:
+        """Fixed-shape decode: layers take their graph-safe paths (no host syncs)."""
+        return self.kv_table is not None
+
+
+def kv_rows(s: SeqInput, page_size: int) -> torch.Tensor:
+    """Flat KV-pool rows of positions [0, prefix_len + n) of ``s`` (CPU, int64)."""
+    end = s.prefix_len + len(s.token_ids)
+    if len(s.page_table) * page_size < end:
+        raise ValueError(f"page table covers {len(s.page_table) * page_size} < {end} tokens")
+    pages = torch.tensor(s.page_table, dtype=torch.long)
+    pos = torch.arange(end, dtype=torch.long)
+    return pages[pos // page_size] * page_size + pos % page_size
 
 
 def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
@@ -53,13 +75,9 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
         n, end = len(s.token_ids), s.prefix_len + len(s.token_ids)
         if n == 0:
             raise ValueError("a sequence in the batch has no new tokens")
-        if len(s.page_table) * page_size < end:
-            raise ValueError(f"page table covers {len(s.page_table) * page_size} < {end} tokens")
-        pages = torch.tensor(s.page_table, dtype=torch.long)
-        pos = torch.arange(end, dtype=torch.long)
-        rows = pages[pos // page_size] * page_size + pos % page_size
+        rows = kv_rows(s, page_size)
         tokens.extend(s.token_ids)
-        positions.append(pos[s.prefix_len :])
+        positions.append(torch.arange(s.prefix_len, end, dtype=torch.long))
         write.append(rows[s.prefix_len :])
         read.append(rows.to(device))
         cu.append(cu[-1] + n)

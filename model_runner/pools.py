@@ -1,7 +1,9 @@
 """Per-rank memory: the paged KV pool of full-attention layers and the active recurrent-state slots.
 
-KV pool, per full-attention layer: ``[num_pages * page_size, *entry_shape]``; row
-``page * page_size + offset`` holds one token.  Page ids are chosen by the driver (scheduler).
+KV pool, per full-attention layer: ``[num_pages * page_size + 1, *entry_shape]``; row
+``page * page_size + offset`` holds one token.  Page ids are chosen by the driver (scheduler) from
+``[0, num_pages)``; the last row (``scratch_row``) belongs to no page: padded sequences of a
+static decode batch write their KV there and read only it.
 
 State pool, all linear layers in one tensor each (the checkpoint kernels index it as one pool):
     temporal [L, num_slots, H_loc, K, V]  FP32
@@ -20,7 +22,8 @@ class KVPool:
     def __init__(self, entry_shapes: list[tuple[int, ...]], num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
         self.num_pages, self.page_size = num_pages, page_size
-        rows = num_pages * page_size
+        self.scratch_row = num_pages * page_size
+        rows = self.scratch_row + 1
         self.caches = [torch.zeros(rows, *shape, dtype=dtype, device=device)
                        for shape in entry_shapes]
 

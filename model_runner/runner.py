@@ -18,6 +18,7 @@ from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
 from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
+from model_runner.cuda_graph import DecodeGraphs
 from model_runner.loader import build_model, check_tp, load_weights
 from model_runner.models.common import StepContext
 from model_runner.parallel import TPGroup
@@ -34,6 +35,9 @@ class RunnerConfig:
     num_pages: int = 256
     page_size: int = 16
     num_state_slots: int = 16  # including the reserved slot 0
+    # > 0: decode steps of up to this many sequences take the fixed-shape path of
+    # ``cuda_graph.DecodeGraphs`` (CUDA graphs on cuda, the same code eagerly elsewhere)
+    cuda_graph_max_bs: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -63,6 +67,12 @@ class ModelRunner:
                                cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                                mixer.conv1d.weight.shape[0], cfg.linear_conv_kernel_dim,
                                dtype, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if rc.cuda_graph_max_bs > 0:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv, self.state,
+                                              rc.cuda_graph_max_bs,
+                                              use_graphs=self.device.type == "cuda")
+            self.decode_graphs.capture_all()
 
     def _first_linear_mixer(self):
         layer = self.model.model.layers[self.cfg.linear_layer_ids[0]]
@@ -88,6 +98,10 @@ class ModelRunner:
         fresh = [s.state_slot for s in seqs if s.prefix_len == 0]
         if fresh:
             self.state.zero(torch.tensor(fresh, device=self.device))
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(seqs) and write_kv and capture is None \
+                and not all_logits:
+            return graphs.run(seqs)
         batch = build_batch(seqs, self.rc.page_size, self.device, write_kv)
         ctx = StepContext(batch, self.kv, self.state, capture)
         return self.model(ctx, all_logits=all_logits)

@@ -38,6 +38,12 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and checkpoints (ranks)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on cuda, run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=32,
+                   help="largest decode batch replayed as a CUDA graph (capped at "
+                        "--max-running-requests); larger steps and prefill run eagerly "
+                        "(default: 32)")
     g.add_argument("--wmax", type=float, default=0.0,
                    help="W_max of the selection plan; 0 = dense checkpoints (default)")
     g.add_argument("--load-policy", choices=["nr", "wr"], default="nr",
@@ -73,6 +79,13 @@ def max_context_len(model_dir: str) -> int:
     return int(raw.get("max_position_embeddings") or raw.get("model_max_length") or 8192)
 
 
+def graph_max_bs(args: argparse.Namespace, device: torch.device) -> int:
+    """CUDA graphs for decode by default on cuda only (0: eager decode)."""
+    if device.type != "cuda" or args.disable_cuda_graph:
+        return 0
+    return min(args.cuda_graph_max_bs, args.max_running_requests)
+
+
 def checkpoint_slots(args: argparse.Namespace, slot_bytes: int) -> int:
     if args.checkpoint_slots is not None:
         return args.checkpoint_slots
@@ -90,7 +103,8 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
     cfg = ModelConfig.from_dir(args.model)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
                       num_pages=args.max_total_tokens, page_size=1,
-                      num_state_slots=active_state_slots(args.max_running_requests))
+                      num_state_slots=active_state_slots(args.max_running_requests),
+                      cuda_graph_max_bs=graph_max_bs(args, device))
     plan = build_plan(args, cfg)
     head_order = placement_head_order(plan, cfg, tp.size, args.placement)
     runner = ModelRunner(rc, tp, head_order)

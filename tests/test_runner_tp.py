@@ -2,7 +2,9 @@
 transformers (prefill logits, 16 greedy decode steps, batched prefill, state round trip).
 
 At TP=2 and TP=4 the first model also runs with linear-attention head bundles permuted across
-ranks (the load-time step of TP-balanced placement): its logits must equal the unpermuted run."""
+ranks (the load-time step of TP-balanced placement): its logits must equal the unpermuted run.
+At TP=2 the MoE + MLA model also decodes on the fixed-shape (CUDA-graph) path, padded batches
+included, with the collectives inside the step."""
 
 from __future__ import annotations
 
@@ -41,12 +43,20 @@ def test_tp_matches_transformers(tp, tmp_path, torchrun):
         gen = torch.Generator().manual_seed(tp)
         order = [torch.randperm(4, generator=gen).tolist() for _ in range(num_linear)]
         jobs.append(dict(jobs[0], head_order=order))
+    if tp == 2:  # job 1 again on the fixed-shape decode path (3 prompts pad to 4)
+        jobs.append(dict(jobs[1], cuda_graph_max_bs=4))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"jobs": jobs}))
     torchrun(tp, TESTS / "tp_worker.py", str(spec), str(tmp_path))
     for i, (hf, ps) in enumerate(refs):
         res = torch.load(tmp_path / f"job{i}.pt")
         check_against_reference(hf, ps, STEPS, res)
+    if tp == 2:
+        static = torch.load(tmp_path / f"job{len(jobs) - 1}.pt")
+        check_against_reference(*refs[1], STEPS, static)
+        plain = torch.load(tmp_path / "job1.pt")
+        assert [t.tolist() for t in static["tokens"]] == [t.tolist() for t in plain["tokens"]]
+        assert torch.equal(static["batch_tokens"], plain["batch_tokens"])
     if tp in (2, 4):
         plain = torch.load(tmp_path / "job0.pt")
         permuted = torch.load(tmp_path / f"job{len(refs)}.pt")

@@ -23,7 +23,8 @@ def main() -> None:
     out_dir = sys.argv[2]
     tp = init_tp_group(torch.device("cpu"))
     for i, job in enumerate(spec["jobs"]):
-        runner = make_runner(job["model_dir"], tp, job.get("head_order"))
+        runner = make_runner(job["model_dir"], tp, job.get("head_order"),
+                             job.get("cuda_graph_max_bs", 0))
         res = run_scenarios(runner, job["prompts"], job["steps"])
         mine = torch.cat(res["tokens"])
         first = mine.clone()

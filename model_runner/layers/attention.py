@@ -1,7 +1,8 @@
 """Full-attention helpers: partial rotary embedding and causal attention over paged KV.
 
 Attention runs per sequence over the rows its page table maps (``batch.kv_read_index``): query i
-of a sequence sits at position prefix_len + i and sees keys [0, prefix_len + i].
+of a sequence sits at position prefix_len + i and sees keys [0, prefix_len + i].  A static decode
+batch instead attends over its padded row table in one masked batch (fixed shapes, no host sync).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ class PartialRotary:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, H, D]; positions: [N]."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None]  # [N, rd/2]
+        if self.inv_freq.device != x.device:  # moved once: a host copy cannot be graph-captured
+            self.inv_freq = self.inv_freq.to(x.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None]  # [N, rd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -51,6 +54,34 @@ def store_kv(batch: ForwardBatch, cache: torch.Tensor, entries: torch.Tensor) ->
     """Write the new tokens' KV entries [N, ...] into their pool rows (skipped on replay)."""
     if batch.write_kv:
         cache[batch.kv_write_index] = entries
+
+
+def paged_attention(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expand,
+                    scale: float) -> torch.Tensor:
+    """Attention of the step's queries q [N, H, D] over the paged ``cache``; ``expand(entries)
+    -> (k, v)`` turns cache entries [L, ...] into keys [L, Hkv, D] and values [L, Hkv, Dv]."""
+    if batch.is_static:
+        return table_decode_attention(batch.kv_table, batch.kv_lens, q, cache, expand, scale)
+    return per_sequence(batch, q, cache, expand, scale)
+
+
+def table_decode_attention(table: torch.Tensor, lens: torch.Tensor, q: torch.Tensor,
+                           cache: torch.Tensor, expand, scale: float) -> torch.Tensor:
+    """One query per sequence over its row table: table [B, C] (columns [len, C) are padding and
+    masked), lens [B], q [B, H, D] -> [B, H, Dv]."""
+    num_seqs, width = table.shape
+    k, v = expand(cache[table.reshape(-1)])  # [B*C, Hkv, D], [B*C, Hkv, Dv]
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    k = k.view(num_seqs, width, num_kv, -1)
+    v = v.view(num_seqs, width, num_kv, -1)
+    if num_kv != num_heads:
+        k = k.repeat_interleave(num_heads // num_kv, dim=2)
+        v = v.repeat_interleave(num_heads // num_kv, dim=2)
+    scores = torch.einsum("bhd,bchd->bhc", q, k) * scale  # [B, H, C]
+    padding = torch.arange(width, device=q.device)[None] >= lens[:, None]  # [B, C]
+    scores = scores.masked_fill(padding[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("bhc,bchd->bhd", probs, v)
 
 
 def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expand, scale: float

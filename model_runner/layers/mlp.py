@@ -39,7 +39,9 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden, {0: index, 1: index}, dtype)
         self.down_proj = RowParallelLinear(index, hidden, tp, dtype, reduce=reduce)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:
+        """``is_static`` is accepted for symmetry with ``SparseMoE`` (this path is always
+        graph-safe)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -115,15 +117,34 @@ class SparseMoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scaling_factor, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, hidden]
+    def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:  # x: [N, hidden]
+        """``is_static``: the graph-safe form for fixed-shape decode (every expert on every
+        token, no host sync); otherwise only the routed tokens go through each used expert."""
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
-        for expert in torch.unique(ids).tolist():
-            token, slot = torch.where(ids == expert)
-            gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[expert])
-            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        if is_static:
+            self._all_experts(x, weights, ids, out)
+        else:
+            self._routed_experts(x, weights, ids, out)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return self.tp.all_reduce(out + shared)
+
+    def _routed_experts(self, x, weights, ids, out) -> None:
+        for expert in torch.unique(ids).tolist():  # host sync: the set of used experts
+            token, slot = torch.where(ids == expert)
+            gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+
+    def _all_experts(self, x, weights, ids, out) -> None:
+        """Fixed shapes: a dense routing matrix [N, E] (0 where not routed) weighs every
+        expert's output.  Decode batches are small, so reading every expert's weights is what
+        the routed form does anyway once the batch routes to most experts."""
+        dense = torch.zeros(x.shape[0], self.cfg.num_experts, dtype=weights.dtype,
+                            device=x.device).scatter_(1, ids, weights)  # [N, E]
+        for expert in range(self.cfg.num_experts):
+            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.add_((h * dense[:, expert, None]).to(out.dtype))

@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), ctx.batch.is_static)
 
 
 class Backbone(nn.Module):
@@ -112,7 +112,7 @@ class HybridForCausalLM(nn.Module):
         x = self.model.embed_tokens(ctx.batch.token_ids)
         for layer in self.model.layers:
             x = layer(x, ctx)
-        if not all_logits:
+        if not all_logits and not ctx.batch.is_decode:  # decode: every token is a last token
             x = x[ctx.batch.last_token_index.to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 

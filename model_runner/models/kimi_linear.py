@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from model_runner.config import ModelConfig
-from model_runner.layers.attention import per_sequence, store_kv
+from model_runner.layers.attention import paged_attention, store_kv
 from model_runner.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -125,7 +125,7 @@ class MLAttention(nn.Module):
             [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         cache = ctx.kv.caches[self.full_index]  # [rows, kv_lora + rope]
         store_kv(ctx.batch, cache, torch.cat([self.kv_a_layernorm(kv_nope), k_rot], dim=-1))
-        o = per_sequence(ctx.batch, q, cache, self._expand, self.scale)
+        o = paged_attention(ctx.batch, q, cache, self._expand, self.scale)
         return self.o_proj(o.reshape(n, -1))
 
 

@@ -1,0 +1,140 @@
+"""The fixed-shape decode path (what a CUDA graph replays) against the runner's eager decode.
+
+On CPU ``DecodeGraphs`` runs the very step a graph records, eagerly: padded batches, row tables
+bucketed by context length, masked batched attention, the all-experts MoE.  It must give the
+eager decode's greedy tokens and logits, leave the real slots' states equal, and its padding must
+write nothing but state slot 0 and the KV scratch row.  With a GPU, replayed graphs must give
+the eager CUDA decode's tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_checkpoints import make_model
+from runner_scenarios import Pages, check_against_reference, make_runner, run_scenarios
+from serving import KIMI, QWEN
+from test_runner_exact import CONFIGS, STEPS, prompts
+
+from model_runner.batch import SeqInput
+from model_runner.cuda_graph import capture_batch_sizes, context_bucket
+from model_runner.runner import ModelRunner, RunnerConfig
+
+PAGE = 4
+PROMPT_LENS = (250, 37, 5, 20, 61)  # the first crosses the 256 -> 512 context bucket
+
+
+def test_batch_sizes_and_buckets():
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert [context_bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 1024]
+
+
+def assert_near(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
+    """Elementwise within ``rel`` of the reference's largest magnitude (FP32 reassociation)."""
+    torch.testing.assert_close(ours, ref, rtol=0, atol=rel * ref.abs().max().item())
+
+
+def new_runner(model_dir, device: str, max_bs: int) -> ModelRunner:
+    runner = ModelRunner(RunnerConfig(str(model_dir), device=device, num_pages=160,
+                                      page_size=PAGE, num_state_slots=12,
+                                      cuda_graph_max_bs=max_bs))
+    gen = torch.Generator().manual_seed(3)  # sentinels: every row and slot starts non-zero
+    for cache in runner.kv.caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    runner.state.temporal.copy_(torch.randn(runner.state.temporal.shape, generator=gen))
+    runner.state.conv.copy_(torch.randn(runner.state.conv.shape, generator=gen))
+    return runner
+
+
+def decode_schedule(vocab: int) -> list[list[SeqInput]]:
+    """Sequences and the decode steps they join: 5 (pads to 8), 3 (pads to 4), then 2 plus a
+    fresh one-token prompt.  Slots and pages are scattered."""
+    pages = Pages(160)
+    seqs = [SeqInput(p, 0, pages.take(len(p) + 12), slot)
+            for p, slot in zip(prompts(vocab, PROMPT_LENS), (7, 2, 11, 4, 9))]
+    fresh = SeqInput([5], 0, pages.take(8), 3)
+    return [seqs] * 4 + [seqs[1:4]] * 3 + [[seqs[0], seqs[4], fresh]] * 3
+
+
+def run_schedule(runner: ModelRunner, tokens_from: list[torch.Tensor] | None = None):
+    """Prefill, then the schedule; the next tokens are ``tokens_from`` when given (so two
+    runners see the same inputs), else greedy.  Returns per-step logits."""
+    steps = decode_schedule(runner.vocab_size)
+    logits = [runner.forward(steps[0])]
+    for i, step in enumerate(steps):
+        chosen = (tokens_from[i] if tokens_from else logits[-1]).argmax(-1).tolist()
+        for s, t in zip(steps[i - 1] if i else steps[0], chosen):
+            s.prefix_len += len(s.token_ids)
+            s.token_ids = [t]
+        logits.append(runner.forward(step))
+    return logits, steps
+
+
+@pytest.mark.parametrize("model", ["kimi-tiny", "qwen3-next-tiny", "kda-moe", "gdn-moe"])
+def test_static_decode_equals_eager_decode(model, tmp_path):
+    model_dir = {"kimi-tiny": KIMI, "qwen3-next-tiny": QWEN}.get(model, tmp_path)
+    if model.endswith("-moe"):  # the shipped tiny models have dense MLPs only
+        make_model(model[:3], tmp_path)
+    eager, static = new_runner(model_dir, "cpu", 0), new_runner(model_dir, "cpu", 8)
+    sentinel_kv = [c.clone() for c in static.kv.caches]
+    sentinel_temporal = static.state.temporal.clone()
+    ref, steps = run_schedule(eager)
+    ours, _ = run_schedule(static, ref)
+    for a, b in zip(ours, ref):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        assert_near(a, b)
+    assert sorted(static.decode_graphs.tables) == [256, 512]  # the fixed-shape path ran
+
+    used_slots = sorted({s.state_slot for step in steps for s in step})
+    assert_near(static.state.temporal[:, used_slots], eager.state.temporal[:, used_slots])
+    assert_near(static.state.conv[:, used_slots], eager.state.conv[:, used_slots])
+    unused_slots = [i for i in range(1, 12) if i not in used_slots]
+    assert torch.equal(static.state.temporal[:, unused_slots],
+                       sentinel_temporal[:, unused_slots])
+    used_rows = torch.cat([torch.tensor([p * PAGE + o for p in s.page_table for o in range(PAGE)])
+                           [: s.prefix_len + 1] for step in steps for s in step]).unique()
+    scratch = static.kv.scratch_row
+    other = torch.ones(scratch, dtype=torch.bool)
+    other[used_rows] = False
+    for ours_kv, eager_kv, before in zip(static.kv.caches, eager.kv.caches, sentinel_kv):
+        assert_near(ours_kv[used_rows], eager_kv[used_rows])
+        assert torch.equal(ours_kv[:scratch][other], before[:scratch][other])
+        assert not torch.equal(ours_kv[scratch], before[scratch])  # padding wrote only here
+
+
+def test_static_decode_rejects_bad_steps_before_touching_state():
+    runner = new_runner(KIMI, "cpu", 4)
+    before = runner.state.temporal.clone()
+    with pytest.raises(ValueError, match="same KV row"):
+        runner.forward([SeqInput([5], 3, [0], 1), SeqInput([6], 3, [0], 2)])
+    with pytest.raises(ValueError, match="page table covers"):
+        runner.forward([SeqInput([5], 4, [0], 1)])
+    assert torch.equal(runner.state.temporal, before)
+
+
+@pytest.mark.parametrize("name", ["kda-odd-heads-qlora", "gdn-gva2-mixed-mlp"])
+def test_static_decode_matches_transformers(name, tmp_path):
+    """Grouped expert routing, q-LoRA MLA, GVA, a dense layer among MoE ones: single-sequence
+    decode (batch 1) and the 3-prompt batch (padded to 4) against transformers."""
+    arch, overrides = CONFIGS[name]
+    hf = make_model(arch, tmp_path, seed=len(name), **overrides)
+    runner = make_runner(str(tmp_path), cuda_graph_max_bs=4)
+    ps = prompts(hf.config.vocab_size)
+    check_against_reference(hf, ps, STEPS, run_scenarios(runner, ps, STEPS))
+    assert runner.decode_graphs.tables, "the fixed-shape path never ran"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model", ["kimi-tiny", "qwen3-next-tiny"])
+def test_cuda_graph_replay_equals_eager_decode(model):
+    model_dir = {"kimi-tiny": KIMI, "qwen3-next-tiny": QWEN}[model]
+    eager, graphed = new_runner(model_dir, "cuda", 0), new_runner(model_dir, "cuda", 8)
+    assert sorted(graphed.decode_graphs.graphs) == [(bs, 256) for bs in (1, 2, 4, 8)]
+    ref, _ = run_schedule(eager)
+    ours, _ = run_schedule(graphed)  # greedy on its own tokens: token for token
+    for a, b in zip(ours, ref):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        assert_near(a, b, rel=1e-4)
+    assert (8, 512) in graphed.decode_graphs.graphs  # captured lazily for the longer bucket
