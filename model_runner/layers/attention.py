@@ -3,11 +3,16 @@
 Attention runs per sequence over the rows its page table maps (``batch.kv_read_index``): query i
 of a sequence sits at position prefix_len + i and sees keys [0, prefix_len + i].  A static decode
 batch instead attends over its padded row table in one masked batch (fixed shapes, no host sync).
+
+CUDA runs both through ``F.scaled_dot_product_attention`` (fused flash / memory-efficient
+kernels, GQA without expanding KV); CPU keeps the explicit softmax, whose summation order the
+bit-exact cache tests rely on.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from model_runner.batch import ForwardBatch
 
@@ -36,6 +41,8 @@ class PartialRotary:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
                      scale: float) -> torch.Tensor:
     """One sequence. q: [n, H, D]; k: [L, Hkv, D]; v: [L, Hkv, Dv]; L = prefix_len + n."""
+    if q.is_cuda:
+        return _sdpa_causal(q, k, v, prefix_len, scale)
     num_heads, num_kv = q.shape[1], k.shape[1]
     if num_kv != num_heads:
         k = k.repeat_interleave(num_heads // num_kv, dim=1)
@@ -48,6 +55,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     scores = scores.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v).transpose(0, 1)  # [n, H, Dv]
+
+
+def _sdpa_causal(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
+    n, total = q.shape[0], k.shape[0]
+    mask = None  # decode (n = 1) sees every key; a fresh prompt is plain causal
+    if n > 1 and prefix_len > 0:
+        mask = torch.arange(total, device=q.device)[None] <= (
+            prefix_len + torch.arange(n, device=q.device)[:, None])  # [n, L], True = attend
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=n > 1 and prefix_len == 0, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])  # [1, H, n, Dv]
+    return out[0].transpose(0, 1)
 
 
 def store_kv(batch: ForwardBatch, cache: torch.Tensor, entries: torch.Tensor) -> None:
@@ -74,6 +94,8 @@ def table_decode_attention(table: torch.Tensor, lens: torch.Tensor, q: torch.Ten
     num_heads, num_kv = q.shape[1], k.shape[1]
     k = k.view(num_seqs, width, num_kv, -1)
     v = v.view(num_seqs, width, num_kv, -1)
+    if q.is_cuda:
+        return _sdpa_table(q, k, v, lens, scale)
     if num_kv != num_heads:
         k = k.repeat_interleave(num_heads // num_kv, dim=2)
         v = v.repeat_interleave(num_heads // num_kv, dim=2)
@@ -82,6 +104,15 @@ def table_decode_attention(table: torch.Tensor, lens: torch.Tensor, q: torch.Ten
     scores = scores.masked_fill(padding[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.einsum("bhc,bchd->bhd", probs, v)
+
+
+def _sdpa_table(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D], k [B, C, Hkv, D], v [B, C, Hkv, Dv], keys [lens, C) masked -> [B, H, Dv]."""
+    keep = torch.arange(k.shape[1], device=q.device)[None] < lens[:, None]  # [B, C]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None],
+        scale=scale, enable_gqa=q.shape[1] != k.shape[2])  # [B, H, 1, Dv]
+    return out[:, :, 0]
 
 
 def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expand, scale: float
