@@ -23,7 +23,7 @@ import torch
 class SeqInput:
     token_ids: list[int]
     prefix_len: int
-    page_table: list[int]  # KV page ids in position order
+    page_table: list[int] | torch.Tensor  # KV page ids in position order (may run past the end)
     state_slot: int
 
 
@@ -57,11 +57,14 @@ class ForwardBatch:
 
 
 def kv_rows(s: SeqInput, page_size: int) -> torch.Tensor:
-    """Flat KV-pool rows of positions [0, prefix_len + n) of ``s`` (CPU, int64)."""
+    """Flat KV-pool rows of positions [0, prefix_len + n) of ``s`` (CPU, int64; read-only:
+    with page size 1 a view of a tensor page table)."""
     end = s.prefix_len + len(s.token_ids)
     if len(s.page_table) * page_size < end:
         raise ValueError(f"page table covers {len(s.page_table) * page_size} < {end} tokens")
-    pages = torch.tensor(s.page_table, dtype=torch.long)
+    pages = torch.as_tensor(s.page_table, dtype=torch.long)
+    if page_size == 1:
+        return pages[:end]
     pos = torch.arange(end, dtype=torch.long)
     return pages[pos // page_size] * page_size + pos % page_size
 

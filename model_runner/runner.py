@@ -117,7 +117,9 @@ class ModelRunner:
             if not 0 < s.state_slot < self.rc.num_state_slots:
                 raise ValueError(f"state slot {s.state_slot} outside [1, "
                                  f"{self.rc.num_state_slots})")
-            if s.prefix_len < 0 or any(not 0 <= p < self.rc.num_pages for p in s.page_table):
+            pages = torch.as_tensor(s.page_table, dtype=torch.long)
+            if s.prefix_len < 0 or (pages.numel() and not 0 <= int(pages.min()) <= int(
+                    pages.max()) < self.rc.num_pages):
                 raise ValueError("negative prefix length or page id outside the KV pool")
 
     # State API used by the prefix cache: a request's per-layer (conv, temporal) state.

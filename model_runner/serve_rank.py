@@ -29,7 +29,7 @@ from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import sample_tokens
 from scheduler import ipc
-from scheduler.messages import BatchPlan, RankInfo, SeqStep, Shutdown, StepResult
+from scheduler.messages import BatchPlan, RankInfo, RowTables, SeqStep, Shutdown, StepResult
 from scheduler.scheduler import active_state_slots
 
 
@@ -124,19 +124,30 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
     return runner, tp, info
 
 
-def execute(runner: ModelRunner, plan: BatchPlan) -> tuple[list[int], list[float]]:
+def row_tables() -> RowTables:
+    """The rank's copies of the running requests' KV-row tables, as int64 tensors."""
+    return RowTables(lambda rows: torch.tensor(rows, dtype=torch.long))
+
+
+def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables
+            ) -> tuple[list[int], list[float]]:
     """Run one plan in the order BatchPlan documents; rank 0's sampled tokens, logprobs."""
+    tables.apply(plan)
+
+    def seq(s: SeqStep) -> SeqInput:
+        return SeqInput(s.token_ids, s.prefix_len, tables.rows(s), s.state_slot)
+
     if plan.stores_before:
         runner.store_checkpoints(*_unzip(plan.stores_before))
     if plan.loads:
         ckpt, active = _unzip(plan.loads)
         runner.load_checkpoints(ckpt, active)
     if plan.refresh:
-        runner.refresh_omitted([_seq(s) for s in plan.refresh], plan.refresh_scratch)
+        runner.refresh_omitted([seq(s) for s in plan.refresh], plan.refresh_scratch)
     tokens: list[int] = []
     logprobs: list[float] = []
     if plan.seqs:
-        logits = runner.forward([_seq(s) for s in plan.seqs])
+        logits = runner.forward([seq(s) for s in plan.seqs])
         if runner.tp.is_first:
             rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
             if rows:
@@ -147,16 +158,12 @@ def execute(runner: ModelRunner, plan: BatchPlan) -> tuple[list[int], list[float
     return tokens, logprobs
 
 
-def _seq(s: SeqStep) -> SeqInput:
-    return SeqInput(s.token_ids, s.prefix_len, s.kv_rows, s.state_slot)
-
-
 def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
-    conn = None
+    conn, tables = None, row_tables()
     if tp.is_first:
         conn = ipc.connect(port)
         ipc.send(conn, info)
@@ -166,7 +173,7 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         if isinstance(msg, Shutdown):
             return
         started = time.perf_counter()
-        tokens, logprobs = execute(runner, msg)
+        tokens, logprobs = execute(runner, msg, tables)
         if tp.is_first:
             ipc.send(conn, StepResult(msg.step_id, tokens, time.perf_counter() - started,
                                       logprobs))

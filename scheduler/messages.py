@@ -162,14 +162,16 @@ class Sample:
 
 @dataclass(slots=True)
 class SeqStep:
-    """One sequence of a forward step: ``token_ids`` at positions [prefix_len, prefix_len + n);
-    ``kv_rows`` covers [0, prefix_len + n) (page size 1: one KV row per position)."""
+    """One sequence of a forward step: ``token_ids`` at positions [prefix_len, prefix_len + n).
+    Its KV rows (page size 1: one row per position) for [0, prefix_len + n) are ``kv_rows`` or,
+    when that is None, the head of the row table the ranks hold for request ``rid``."""
 
     token_ids: list[int]
     prefix_len: int
-    kv_rows: list[int]
+    kv_rows: list[int] | None
     state_slot: int
     sample: Sample | None = None
+    rid: str | None = None
 
 
 @dataclass(slots=True)
@@ -177,15 +179,49 @@ class BatchPlan:
     """One step. Ranks execute it in this order, which is what makes slot reuse within a step
     safe: (1) ``stores_before`` active -> checkpoint (states of requests finished last step),
     (2) ``loads`` checkpoint -> active (hits), (3) ``refresh`` (dasc-wr replay into scratch
-    slots, read-only KV), (4) forward ``seqs``, (5) ``stores_after`` active -> checkpoint."""
+    slots, read-only KV), (4) forward ``seqs``, (5) ``stores_after`` active -> checkpoint.
+
+    Row tables: a request's KV rows travel once, when it is admitted or when the tree replaces
+    some of them (``tables``: every row it may ever use), and are dropped when it ends
+    (``release``, applied first); a step's sequences then name only their request, so a plan
+    is O(new tokens), not O(context)."""
 
     step_id: int
+    release: list[str] = field(default_factory=list)
+    tables: dict[str, list[int]] = field(default_factory=dict)
     stores_before: list[tuple[int, int]] = field(default_factory=list)  # (active, ckpt)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (ckpt, active)
     refresh: list[SeqStep] = field(default_factory=list)  # state_slot = the request's slot
     refresh_scratch: list[int] = field(default_factory=list)
     seqs: list[SeqStep] = field(default_factory=list)
     stores_after: list[tuple[int, int]] = field(default_factory=list)  # (active, ckpt)
+
+
+class RowTables:
+    """The ranks' copies of the row tables a stream of plans carries; ``convert`` turns a table
+    into what the caller keeps (a list here, a tensor on the ranks)."""
+
+    def __init__(self, convert=list):
+        self._tables: dict[str, object] = {}
+        self._convert = convert
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def apply(self, plan: BatchPlan) -> None:
+        for rid in plan.release:
+            self._tables.pop(rid, None)
+        for rid, rows in plan.tables.items():
+            self._tables[rid] = self._convert(rows)
+
+    def rows(self, step: SeqStep):
+        """The step's KV rows: its own, or its request's whole table (at least [0, end))."""
+        if step.kv_rows is not None:
+            return self._convert(step.kv_rows)
+        table = self._tables.get(step.rid)
+        if table is None:
+            raise RuntimeError(f"plan names row table {step.rid!r}, which the ranks do not hold")
+        return table
 
 
 @dataclass(slots=True)

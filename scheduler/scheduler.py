@@ -64,6 +64,9 @@ class Scheduler:
         self.running: list[Req] = []
         self._stores_before: list[tuple[int, int]] = []
         self._inflight: list[tuple[Req, int, bool]] = []  # (request, new tokens, sampled)
+        self._new_tables: dict[str, Req] = {}  # row tables the next plan carries
+        self._released: list[str] = []  # ended requests whose tables the next plan drops
+        self._live: set[str] = set()  # ids of waiting and running requests
         self._step_id = 0
         self._rng = random.Random(0)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "loads_nr": 0, "loads_wr": 0,
@@ -73,11 +76,14 @@ class Scheduler:
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams) -> TokenOut | None:
         """Queue a request, or return the finished error frame that refuses it."""
         error = self._check(prompt, sampling)
+        if rid in self._live:  # outputs and the ranks' row tables are keyed by it
+            error = f"request id {rid!r} is already in flight"
         if error is not None:
             return TokenOut(rid, [], finished=True, finish_reason="error",
                             prompt_tokens=len(prompt), error=error)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         self.waiting.append(Req(rid, list(prompt), sampling, seed))
+        self._live.add(rid)
         return None
 
     def _check(self, prompt: list[int], s: SamplingParams) -> str | None:
@@ -100,6 +106,7 @@ class Scheduler:
         for r in self.waiting:
             if r.rid == rid:
                 self.waiting.remove(r)
+                self._live.discard(rid)
                 r.finish_reason = "abort"
                 return TokenOut(rid, [], finished=True, finish_reason="abort",
                                 prompt_tokens=len(r.prompt))
@@ -143,6 +150,9 @@ class Scheduler:
             self.cache.unlock_ckpt(node)
         if not plan.seqs and not plan.stores_before:
             return None
+        plan.release, self._released = self._released, []
+        plan.tables = {rid: r.rows for rid, r in self._new_tables.items()}
+        self._new_tables = {}
         return plan
 
     def _next_step_id(self) -> int:
@@ -163,6 +173,7 @@ class Scheduler:
             return False
         r.slot = self.slots.alloc(1)[0]
         r.node, r.rows, r.cached_len = hit.node, hit.kv_rows + rows, hit.length
+        self._new_tables[r.rid] = r
         r.computed = r.hit_len = hit.length
         self.stats["prompt_tokens"] += len(r.prompt)
         self.stats["cached_tokens"] += hit.length
@@ -180,7 +191,7 @@ class Scheduler:
             return
         end = r.computed
         start = max(0, end - window)
-        plan.refresh.append(SeqStep(r.prompt[start:end], start, r.rows[:end], r.slot))
+        plan.refresh.append(SeqStep(r.prompt[start:end], start, None, r.slot, rid=r.rid))
         plan.refresh_scratch.append(self.cfg.scratch_slot_base + len(plan.refresh_scratch))
         self.stats["loads_wr"] += 1
         self.stats["refresh_tokens"] += end - start
@@ -208,8 +219,8 @@ class Scheduler:
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
             sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output))
-        plan.seqs.append(SeqStep(r.token_slice(r.computed, end), r.computed, r.rows[:end],
-                                 r.slot, sample))
+        plan.seqs.append(SeqStep(r.token_slice(r.computed, end), r.computed, None, r.slot,
+                                 sample, r.rid))
         self._inflight.append((r, end - r.computed, sample is not None))
 
     def _plan_store(self, plan: BatchPlan, r: Req, end: int) -> None:
@@ -259,6 +270,7 @@ class Scheduler:
             self.cache.ckpt_pool.free([ckpt])
         if res.num_existing > r.cached_len:  # someone cached these tokens first: drop ours
             self.cache.kv_pool.free(r.rows[r.cached_len : res.num_existing])
+            self._new_tables[r.rid] = r  # the ranks need the tree's rows instead
         self.cache.lock(res.node)
         self.cache.unlock(r.node)
         r.rows = res.kv_rows + r.rows[end:]
@@ -280,6 +292,9 @@ class Scheduler:
         cache.unlock(r.node)
         self.slots.free([r.slot])
         r.node, r.rows = None, []
+        self._new_tables.pop(r.rid, None)
+        self._released.append(r.rid)
+        self._live.discard(r.rid)
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from test_radix_cache import prefix_hashes
 
-from scheduler.messages import BatchPlan, SamplingParams, StepResult, TokenOut
+from scheduler.messages import (
+    BatchPlan,
+    RowTables,
+    SamplingParams,
+    SeqStep,
+    StepResult,
+    TokenOut,
+)
 from scheduler.radix_cache import Node
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -54,11 +61,21 @@ class FakeRanks:
         self.last_step = 0
         self.finished_slots: dict[int, list[int]] = {}  # slot -> tokens of a just-finished req
         self.num_loads = self.num_stores = self.num_refresh = 0
+        self.tables = RowTables()
+
+    def kv_rows(self, q: SeqStep) -> list[int]:
+        return self.tables.rows(q)[: q.prefix_len + len(q.token_ids)]
 
     def execute(self, plan: BatchPlan) -> None:
         s, cfg = self.s, self.s.cfg
         assert plan.step_id > self.last_step
         self.last_step = plan.step_id
+        # (0) row tables: exactly the running requests', each equal to the scheduler's rows
+        self.tables.apply(plan)
+        assert len(self.tables) == len(s.running)
+        for r in s.running:
+            assert self.tables.rows(SeqStep([], 0, None, 0, rid=r.rid)) == r.rows
+        assert all(q.kv_rows is None for q in plan.seqs + plan.refresh)  # O(new tokens)
         by_slot = {r.slot: r for r in s.running}
         in_tree = tree_ckpts(s)
         rows_in_tree = {x for n in s.cache._nodes() for x in n.value}
@@ -93,11 +110,12 @@ class FakeRanks:
             assert q.state_slot in loaded
             r = by_slot[q.state_slot]
             end = q.prefix_len + len(q.token_ids)
-            assert end == r.hit_len and len(q.kv_rows) == end
+            kv_rows = self.kv_rows(q)
+            assert end == r.hit_len and len(kv_rows) == end
             assert q.prefix_len == max(0, end - cfg.refresh_window)
             assert q.token_ids == r.prompt[q.prefix_len : end] and q.sample is None
             hs = prefix_hashes(r.prompt[:end])
-            assert [self.row[x] for x in q.kv_rows] == hs
+            assert [self.row[x] for x in kv_rows] == hs
             self.num_refresh += 1
         if cfg.load_policy != "wr" or cfg.refresh_window <= 0:
             assert not plan.refresh
@@ -106,8 +124,8 @@ class FakeRanks:
         for q in plan.seqs:
             assert 1 <= q.state_slot < cfg.scratch_slot_base
             r = by_slot[q.state_slot]
-            n = len(q.token_ids)
-            assert n >= 1 and len(q.kv_rows) == q.prefix_len + n
+            n, kv_rows = len(q.token_ids), self.kv_rows(q)
+            assert n >= 1 and len(kv_rows) == q.prefix_len + n
             assert q.prefix_len == r.computed
             full = r.all_tokens[: q.prefix_len + n]
             assert q.token_ids == full[q.prefix_len :]
@@ -118,11 +136,11 @@ class FakeRanks:
                 assert self.active[q.state_slot] == state_of(full[: q.prefix_len]), \
                     "the state slot does not hold this request's prefix"
             hs = prefix_hashes(full)
-            assert [self.row[x] for x in q.kv_rows[: q.prefix_len]] == hs[: q.prefix_len]
-            new_rows = q.kv_rows[q.prefix_len :]
+            assert [self.row[x] for x in kv_rows[: q.prefix_len]] == hs[: q.prefix_len]
+            new_rows = kv_rows[q.prefix_len :]
             assert not set(new_rows) & written, "two sequences write the same KV row"
             assert not set(new_rows) & (rows_in_tree | free_rows)
-            assert not set(q.kv_rows) & free_rows
+            assert not set(kv_rows) & free_rows
             written.update(new_rows)
             for x, h in zip(new_rows, hs[q.prefix_len :]):
                 self.row[x] = h
@@ -370,7 +388,7 @@ def test_exact_repeat_hits_one_token_early_and_tail_of_one_is_sampled(n):
     assert len(plan.loads) == 1
     (seq,) = plan.seqs  # SGLang #29633: a 1-token tail, sampled
     assert seq.token_ids == prompt[-1:] and seq.prefix_len == n - 1 and seq.sample is not None
-    assert len(seq.kv_rows) == n
+    assert seq.kv_rows is None and seq.rid == "b" and len(plan.tables["b"]) >= n
     assert_drained(s)
 
 
@@ -506,6 +524,23 @@ def test_abort_waiting_and_running_requests():
     assert loop.final("wait").finish_reason == waiting.finish_reason == "abort"
     assert loop.final("run").finish_reason == "abort"
     assert s.abort("nobody") is None
+    assert_drained(s)
+
+
+def test_a_request_id_in_flight_is_refused_until_it_ends():
+    s = make()
+    loop = Loop(s, random_tokens())
+    assert loop.add("a", prompt_of(9), 3) is None
+    dup = s.add("a", prompt_of(5, seed=2), SamplingParams(max_tokens=2))  # would share
+    # the outputs and the ranks' KV-row table
+    assert dup.finished and dup.finish_reason == "error" and "already in flight" in dup.error
+    loop.step()
+    assert s.add("a", prompt_of(5), SamplingParams(max_tokens=2)).finish_reason == "error"
+    loop.run()
+    assert loop.add("a", prompt_of(5, seed=2), 2) is None  # ended: the id is free again
+    loop.abort("a")
+    assert loop.add("a", prompt_of(7, seed=3), 2) is None  # aborted while waiting: free too
+    loop.run()
     assert_drained(s)
 
 
