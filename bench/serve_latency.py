@@ -3,6 +3,7 @@ IPC's share of a decode step.
 
     python bench/serve_latency.py [--model DIR] [--tp 1 2] [--prefix-len 2048] [--suffix-len 32]
                                   [--reps 5] [--batch 8] [--decode-tokens 64]
+                                  [--decode-prompt-len 64]
 
 TTFT is measured client-side, from sending the request to the first SSE frame with text.  A miss
 is prefix_i + suffix_a on a flushed cache; the hit is prefix_i + suffix_b right after it (the
@@ -80,7 +81,7 @@ def hit_vs_miss(server, args) -> dict:
 
 def decode_share(server, args) -> dict:
     rng = random.Random(1)
-    prompts = [text_ids(rng, 64) for _ in range(args.batch)]
+    prompts = [text_ids(rng, args.decode_prompt_len) for _ in range(args.batch)]
     before = server.stats()
     with ThreadPoolExecutor(args.batch) as pool:
         list(pool.map(lambda p: stream_ttft(server.base_url, p, args.decode_tokens), prompts))
@@ -102,6 +103,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-prompt-len", type=int, default=64,
+                   help="prompt length of the decode-share requests (their context)")
     p.add_argument("--serve-args", default="",
                    help="extra dasc-serve flags, e.g. '--device cuda' (one string)")
     args = p.parse_args()
