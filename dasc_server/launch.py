@@ -29,7 +29,8 @@ from scheduler.messages import ServerInfo, Shutdown
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_runner" / "assets" / \
     "kimi-linear-tiny"
 RANK_FLAGS = ("--dtype", "--device", "--wmax", "--load-policy", "--placement", "--mask-seed",
-              "--selection", "--state-budget-bytes", "--checkpoint-slots", "--cuda-graph-max-bs")
+              "--selection", "--state-budget-bytes", "--checkpoint-slots", "--cuda-graph-max-bs",
+              "--cuda-graph-max-context")
 RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
 SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
                "--checkpoint-interval", "--wmax", "--load-policy")
@@ -81,7 +82,7 @@ def validate(args: argparse.Namespace) -> None:
     check_tp(cfg, args.tp, str(model_dir / "config.json"))
     check_weight_files(model_dir)
     for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                 "cuda_graph_max_bs"):
+                 "cuda_graph_max_bs", "cuda_graph_max_context"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.checkpoint_interval < 0 or args.wmax < 0:

@@ -2,10 +2,12 @@
 
 A decode step of B sequences (one new token each) is padded to the smallest captured batch size
 ``bs >= B`` and its row tables to a context bucket ``C`` (a power of two >= the longest
-sequence, at least ``MIN_CONTEXT``).  One graph per (bs, C): every batch size of the first
-bucket is captured up front, largest first, all graphs in one memory pool; a longer bucket is
-captured the first time a step needs it.  Off CUDA (or with graphs off) the very same
-``_forward`` runs eagerly, so CPU tests exercise exactly what a graph replays.
+sequence, at least ``MIN_CONTEXT``, at most the bucket of ``max_context``).  One graph per
+(bs, C), all captured at start-up, largest first, into one memory pool, so serving never
+stalls on a capture or grows the pool late; a step past the largest bucket or batch runs
+eagerly.  Off CUDA (or with graphs off) the very same ``_forward`` runs eagerly, so CPU tests
+exercise exactly what a graph replays.  Attention gathers all C rows of every padded sequence,
+so its cost and memory grow with C: ``max_context`` bounds both.
 
 Static inputs, allocated once outside the graph pool (a graph reads them by address):
     inputs  [5, max_bs] int64: rows TOKEN, POSITION, SLOT, WRITE_ROW, KV_LEN
@@ -44,11 +46,13 @@ class DecodeGraphs:
     ``use_graphs`` (CUDA only) each (bs, C) step is captured once and replayed."""
 
     def __init__(self, model: HybridForCausalLM, kv: KVPool, state: StatePool, max_bs: int,
-                 use_graphs: bool):
-        if max_bs < 1:
-            raise ValueError(f"max batch size {max_bs} < 1")
+                 use_graphs: bool, max_context: int = 4096):
+        if max_bs < 1 or max_context < 1:
+            raise ValueError(f"max batch size {max_bs} or max context {max_context} < 1")
         self.model, self.kv, self.state = model, kv, state
         self.batch_sizes = capture_batch_sizes(max_bs)
+        top = context_bucket(max_context)
+        self.buckets = [w for w in (MIN_CONTEXT << i for i in range(32)) if w <= top]
         self.device = kv.caches[0].device
         self.use_graphs = use_graphs
         self.inputs = torch.zeros(5, max_bs, dtype=torch.long, device=self.device)
@@ -61,15 +65,17 @@ class DecodeGraphs:
         return self.batch_sizes[-1]
 
     def fits(self, seqs: list[SeqInput]) -> bool:
-        return 0 < len(seqs) <= self.max_bs and all(len(s.token_ids) == 1 for s in seqs)
+        return (0 < len(seqs) <= self.max_bs and all(len(s.token_ids) == 1 for s in seqs)
+                and max(s.prefix_len for s in seqs) < self.buckets[-1])
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture the first context bucket for every batch size, largest first (the largest
-        graph sizes the pool, the smaller ones reuse its memory)."""
+        """Capture every (batch size, bucket), largest first (the largest graph sizes the pool,
+        the smaller ones reuse its memory)."""
         if self.use_graphs:
-            for bs in reversed(self.batch_sizes):
-                self._graph(bs, MIN_CONTEXT)
+            for width in reversed(self.buckets):
+                for bs in reversed(self.batch_sizes):
+                    self._capture(bs, width)
 
     def run(self, seqs: list[SeqInput]) -> torch.Tensor:
         """One decode step; returns logits [len(seqs), vocab] (a fresh tensor)."""
@@ -81,7 +87,7 @@ class DecodeGraphs:
         if not self.use_graphs:
             self._load(inputs, table)
             return self._forward(bs, width)[:num_seqs]
-        graph, logits = self._graph(bs, width)  # a first capture overwrites the static inputs
+        graph, logits = self.graphs[bs, width]
         self._load(inputs, table)
         graph.replay()
         return logits[:num_seqs].clone()  # the output buffer is overwritten by the next replay
@@ -124,12 +130,6 @@ class DecodeGraphs:
             kv_write_index=inputs[WRITE_ROW], kv_read_index=[], is_decode=True,
             kv_table=self._table(width)[:bs], kv_lens=inputs[KV_LEN])
         return self.model(StepContext(batch, self.kv, self.state))
-
-    def _graph(self, bs: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        key = (bs, width)
-        if key not in self.graphs:
-            self._capture(bs, width)
-        return self.graphs[key]
 
     def _capture(self, bs: int, width: int) -> None:
         # Capture with every sequence padding: the warm-up run (allocator, Triton autotuning,

@@ -38,6 +38,7 @@ class RunnerConfig:
     # > 0: decode steps of up to this many sequences take the fixed-shape path of
     # ``cuda_graph.DecodeGraphs`` (CUDA graphs on cuda, the same code eagerly elsewhere)
     cuda_graph_max_bs: int = 0
+    cuda_graph_max_context: int = 4096  # longer decode contexts run eagerly
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,7 +72,8 @@ class ModelRunner:
         if rc.cuda_graph_max_bs > 0:
             self.decode_graphs = DecodeGraphs(self.model, self.kv, self.state,
                                               rc.cuda_graph_max_bs,
-                                              use_graphs=self.device.type == "cuda")
+                                              use_graphs=self.device.type == "cuda",
+                                              max_context=rc.cuda_graph_max_context)
             self.decode_graphs.capture_all()
 
     def _first_linear_mixer(self):

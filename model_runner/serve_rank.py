@@ -44,6 +44,10 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch replayed as a CUDA graph (capped at "
                         "--max-running-requests); larger steps and prefill run eagerly "
                         "(default: 32)")
+    g.add_argument("--cuda-graph-max-context", type=int, default=4096,
+                   help="longest decode context replayed as a CUDA graph; graphs for every "
+                        "context bucket (powers of two from 256) up to it are captured at "
+                        "start-up, longer contexts decode eagerly (default: 4096)")
     g.add_argument("--wmax", type=float, default=0.0,
                    help="W_max of the selection plan; 0 = dense checkpoints (default)")
     g.add_argument("--load-policy", choices=["nr", "wr"], default="nr",
@@ -104,7 +108,8 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
                       num_pages=args.max_total_tokens, page_size=1,
                       num_state_slots=active_state_slots(args.max_running_requests),
-                      cuda_graph_max_bs=graph_max_bs(args, device))
+                      cuda_graph_max_bs=graph_max_bs(args, device),
+                      cuda_graph_max_context=args.cuda_graph_max_context)
     plan = build_plan(args, cfg)
     head_order = placement_head_order(plan, cfg, tp.size, args.placement)
     runner = ModelRunner(rc, tp, head_order)

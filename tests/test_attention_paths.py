@@ -1,4 +1,4 @@
-"""The CUDA attention formulation (`F.scaled_dot_product_attention`, GQA without expanding KV,
+"""The CUDA attention formulation (`F.scaled_dot_product_attention`, GQA by `enable_gqa`,
 an explicit mask for prefixed prefill and padded row tables) against the explicit softmax the
 CPU path runs: the same function of the same inputs, on CPU tensors here, on a GPU in
 tests/test_cuda_path.py through the whole model."""

@@ -31,6 +31,15 @@ def test_batch_sizes_and_buckets():
     assert [context_bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 1024]
 
 
+def test_what_the_fixed_shape_path_takes():
+    graphs = new_runner(KIMI, "cpu", 4).decode_graphs  # max context 512
+    assert graphs.buckets == [256, 512] and graphs.batch_sizes == [1, 2, 4]
+    assert graphs.fits([SeqInput([1], 511, [], 1)])
+    assert not graphs.fits([SeqInput([1], 512, [], 1)])  # past the largest bucket: eager
+    assert not graphs.fits([SeqInput([1, 2], 3, [], 1)])  # prefill
+    assert not graphs.fits([SeqInput([1], 3, [], i) for i in range(1, 6)])  # above max bs
+
+
 def assert_near(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
     """Elementwise within ``rel`` of the reference's largest magnitude (FP32 reassociation)."""
     torch.testing.assert_close(ours, ref, rtol=0, atol=rel * ref.abs().max().item())
@@ -39,7 +48,7 @@ def assert_near(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> Non
 def new_runner(model_dir, device: str, max_bs: int) -> ModelRunner:
     runner = ModelRunner(RunnerConfig(str(model_dir), device=device, num_pages=160,
                                       page_size=PAGE, num_state_slots=12,
-                                      cuda_graph_max_bs=max_bs))
+                                      cuda_graph_max_bs=max_bs, cuda_graph_max_context=512))
     gen = torch.Generator().manual_seed(3)  # sentinels: every row and slot starts non-zero
     for cache in runner.kv.caches:
         cache.copy_(torch.randn(cache.shape, generator=gen))
@@ -131,10 +140,10 @@ def test_static_decode_matches_transformers(name, tmp_path):
 def test_cuda_graph_replay_equals_eager_decode(model):
     model_dir = {"kimi-tiny": KIMI, "qwen3-next-tiny": QWEN}[model]
     eager, graphed = new_runner(model_dir, "cuda", 0), new_runner(model_dir, "cuda", 8)
-    assert sorted(graphed.decode_graphs.graphs) == [(bs, 256) for bs in (1, 2, 4, 8)]
+    assert sorted(graphed.decode_graphs.graphs) == [(bs, w) for bs in (1, 2, 4, 8)
+                                                     for w in (256, 512)]  # all at start-up
     ref, _ = run_schedule(eager)
     ours, _ = run_schedule(graphed)  # greedy on its own tokens: token for token
     for a, b in zip(ours, ref):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         assert_near(a, b, rel=1e-4)
-    assert (8, 512) in graphed.decode_graphs.graphs  # captured lazily for the longer bucket

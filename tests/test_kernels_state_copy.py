@@ -135,8 +135,25 @@ def test_checkpoint_pool_rejects_bad_slots_before_writing():
         pool.store(temporal, conv, torch.tensor([1, 2]), torch.tensor([0, 2]))
     with pytest.raises(IndexError, match=r"active slot ids \[-1\] outside \[0, 3\)"):
         pool.load(temporal, conv, torch.tensor([1]), torch.tensor([-1]))
+    with pytest.raises(ValueError, match=r"both be \[B\], got \(3,\) and \(1,\)"):
+        pool.store(temporal, conv, torch.tensor([0, 1, 2]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="active conv state must be"):  # fewer conv slots
+        pool.load(temporal, conv[:, :1].contiguous(), torch.tensor([1]), torch.tensor([2]))
     assert torch.equal(pool.temporal, before[0]) and torch.equal(temporal, before[1])
     assert check_slots(torch.tensor([2, 0], dtype=torch.int32), 3, "x").dtype == torch.long
+
+
+def test_non_finite_rows_give_torch_scales_and_defined_codes():
+    rows = torch.tensor([[float("nan"), 1.0, -2.0, 0.5], [float("inf"), 1.0, 0.0, 3.0],
+                         [1.0, 2.0, 3.0, 4.0]])
+    pool = rows.view(1, 3, 1, 4)
+    index = build_unit_index([torch.ones(1, dtype=torch.bool)])
+    q, scale = torch.empty(3, 1, 4, dtype=torch.int8), torch.empty(3, 1, 1)
+    slots = torch.arange(3)
+    quantize_runs(pool, q, scale, slots, slots, 4, StateRuns.of(index, 4).int8(3)[0], 1, 4)
+    want_q, want_s = quantize_int8_ref(rows)
+    torch.testing.assert_close(scale.view(3), want_s, equal_nan=True)  # NaN and inf as torch
+    assert torch.equal(q[2, 0], want_q[2]) and (q[:2] == 0).all()  # NaN quotients: 0
 
 
 def _library_in_child(env: dict[str, str]) -> subprocess.CompletedProcess:

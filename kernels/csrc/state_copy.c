@@ -52,12 +52,16 @@ static inline void quantize_row(const float *x, int8_t *q, float *scale, int64_t
     }
     float amax;
     memcpy(&amax, &top, sizeof amax);
-    float s = (amax > 1e-8f ? amax : 1e-8f) / 127.0f;
+    float s = (amax < 1e-8f ? 1e-8f : amax) / 127.0f; /* a NaN amax stays NaN, as in torch */
+    *scale = s;
+    if (!(amax <= 3.4028235e38f)) { /* NaN or inf in the row: codes 0 (torch's are undefined) */
+        memset(q, 0, (size_t)v);
+        return;
+    }
     /* No clip needed: s >= amax / 127 (1 - 2^-24), so |x / s| <= 127.00001 rounds into
      * [-127, 127] for every finite x (torch's clip never binds either). */
     for (int64_t j = 0; j < v; ++j)
         q[j] = (int8_t)(int32_t)((x[j] / s + ROUND_MAGIC) - ROUND_MAGIC);
-    *scale = s;
 }
 
 /* Runs in units of d = rows_per_unit * v floats: src = first float in the active slot (< 0:

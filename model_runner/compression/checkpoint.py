@@ -180,7 +180,7 @@ class CheckpointPool:
               dst_slots: torch.Tensor) -> None:
         """Active slots src_slots [B] -> checkpoint slots dst_slots [B] (distinct)."""
         pool = self.unit_view(temporal)  # [L, S, U_loc, D]
-        self._check_conv(conv)
+        self._check_call(pool, conv, src_slots, dst_slots)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():  # ranks of a balanced pool all skip an empty call together
             self._cpu_path(pool, conv, self._store_native, self._store_flat,
@@ -194,7 +194,7 @@ class CheckpointPool:
         conv state is restored whole.
         """
         pool = self.unit_view(temporal)  # [L, S, U_loc, D]
-        self._check_conv(conv)
+        self._check_call(pool, conv, src_slots, dst_slots)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():
             self._cpu_path(pool, conv, self._load_native, self._load_flat,
@@ -381,11 +381,16 @@ class CheckpointPool:
             return temporal.view(num_layers, slots, heads_loc * k, v)
         return temporal.view(num_layers, slots, heads_loc, k * v)
 
-    def _check_conv(self, conv: torch.Tensor) -> None:
-        want = (self.conv.shape[0], self.conv.shape[2], self.conv.shape[3])
-        if conv.dim() != 4 or (conv.shape[0], conv.shape[2], conv.shape[3]) != want:
-            raise ValueError(f"active conv state must be [{want[0]}, S, {want[1]}, {want[2]}], "
-                             f"got {tuple(conv.shape)}")
+    def _check_call(self, pool: torch.Tensor, conv: torch.Tensor, src: torch.Tensor,
+                    dst: torch.Tensor) -> None:
+        """Shapes the kernels rely on: conv state with the pool's slots, one dst per src."""
+        want = (self.conv.shape[0], pool.shape[1], self.conv.shape[2], self.conv.shape[3])
+        if conv.dim() != 4 or tuple(conv.shape) != want:
+            raise ValueError(f"active conv state must be [{want[0]}, S={want[1]}, {want[2]}, "
+                             f"{want[3]}], got {tuple(conv.shape)}")
+        if src.dim() != 1 or src.shape != dst.shape:
+            raise ValueError(f"src_slots and dst_slots must both be [B], got {tuple(src.shape)} "
+                             f"and {tuple(dst.shape)}")
 
     def _balance_out(self, packed: torch.Tensor) -> torch.Tensor:
         if self.balance is None:

@@ -4,9 +4,9 @@ Attention runs per sequence over the rows its page table maps (``batch.kv_read_i
 of a sequence sits at position prefix_len + i and sees keys [0, prefix_len + i].  A static decode
 batch instead attends over its padded row table in one masked batch (fixed shapes, no host sync).
 
-CUDA runs both through ``F.scaled_dot_product_attention`` (fused flash / memory-efficient
-kernels, GQA without expanding KV); CPU keeps the explicit softmax, whose summation order the
-bit-exact cache tests rely on.
+CUDA runs both through ``F.scaled_dot_product_attention`` (torch picks the fused kernel the
+shapes and mask allow; GQA through ``enable_gqa``); CPU keeps the explicit softmax, whose
+summation order the bit-exact cache tests rely on.
 """
 
 from __future__ import annotations
