@@ -9,7 +9,8 @@ A dense plan is one run per layer; a W_max plan one run per stretch of consecuti
 units, so a load's time falls with the stored bytes.
 
 The library is compiled on first use with the system C compiler (`$CC`, else `cc`/`gcc`;
-about 0.2 s) into `$DASC_CACHE_DIR` (default `~/.cache/dasc`), keyed by the source and flags.
+about 0.2 s) into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory
+when that is unusable), keyed by the source, compiler and flags.
 Without a compiler, or with `DASC_NATIVE_KERNELS=0`, `native_library()` is None and the pool
 uses the torch flat-row path of `ragged_state_cpu.py`. The C code trusts its arguments: callers
 check slot ids (`check_slots`) and buffer shapes first.
@@ -21,6 +22,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -46,26 +48,34 @@ _SIGNATURES = {
 }
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the library may be built: $DASC_CACHE_DIR, else the user cache; then a per-user
+    temporary directory (a read-only or missing home)."""
+    dirs = []
     if os.environ.get("DASC_CACHE_DIR"):
-        return Path(os.environ["DASC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dasc"
+        dirs.append(Path(os.environ["DASC_CACHE_DIR"]))
+    else:
+        try:
+            dirs.append(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dasc")
+        except RuntimeError:  # no home directory to be found
+            pass
+    return dirs + [Path(tempfile.gettempdir()) / f"dasc-{os.getuid()}"]
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: list[str], cache_dir: Path) -> Path:
     """Compile the library once per (source, flags, compiler, machine); concurrent builders
     (several ranks) each write a temporary file and rename it into place."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode())
-    target = _cache_dir() / f"state_copy-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((*compiler, *FLAGS)).encode())
+    target = cache_dir / f"state_copy-{platform.machine()}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
+        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
                        capture_output=True, text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -79,15 +89,20 @@ def native_library() -> ctypes.CDLL | None:
     warned once) so callers fall back to torch."""
     if os.environ.get("DASC_NATIVE_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [
+        c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not compiler:
         return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        warnings.warn(f"dasc: CPU checkpoint kernels not built ({detail}); using torch",
-                      stacklevel=2)
+    errors = []
+    for cache_dir in _cache_dirs():
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, cache_dir)))
+            break
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(getattr(exc, "stderr", "") or exc).strip())
+    else:
+        warnings.warn(f"dasc: CPU checkpoint kernels not built ({'; '.join(errors)}); "
+                      "using torch", stacklevel=2)
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)

@@ -171,3 +171,6 @@ def test_library_builds_into_its_cache_and_falls_back(tmp_path):
     assert off.stdout.strip() == "True" and "not built" not in off.stderr
     broken = _library_in_child({"DASC_CACHE_DIR": str(tmp_path / "bad"), "CC": "false"})
     assert broken.stdout.strip() == "True" and "using torch" in broken.stderr
+    (tmp_path / "a-file").write_text("")  # an unusable cache dir: built in the temp dir
+    elsewhere = _library_in_child({"DASC_CACHE_DIR": str(tmp_path / "a-file" / "dasc")})
+    assert elsewhere.stdout.strip() == "False" and "using torch" not in elsewhere.stderr
