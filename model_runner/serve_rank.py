@@ -140,7 +140,7 @@ def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables
     tables.apply(plan)
 
     def seq(s: SeqStep) -> SeqInput:
-        return SeqInput(s.token_ids, s.prefix_len, tables.rows(s), s.state_slot)
+        return SeqInput(s.token_ids, s.prefix_len, tables.rows(s.rid), s.state_slot)
 
     if plan.stores_before:
         runner.store_checkpoints(*_unzip(plan.stores_before))

@@ -162,16 +162,15 @@ class Sample:
 
 @dataclass(slots=True)
 class SeqStep:
-    """One sequence of a forward step: ``token_ids`` at positions [prefix_len, prefix_len + n).
-    Its KV rows (page size 1: one row per position) for [0, prefix_len + n) are ``kv_rows`` or,
-    when that is None, the head of the row table the ranks hold for request ``rid``."""
+    """One sequence of a forward step: ``token_ids`` at positions [prefix_len, prefix_len + n)
+    of request ``rid``, whose KV rows (page size 1: one row per position) are the head of the
+    row table the ranks hold for it (``BatchPlan.tables``)."""
 
+    rid: str
     token_ids: list[int]
     prefix_len: int
-    kv_rows: list[int] | None
     state_slot: int
     sample: Sample | None = None
-    rid: str | None = None
 
 
 @dataclass(slots=True)
@@ -214,13 +213,11 @@ class RowTables:
         for rid, rows in plan.tables.items():
             self._tables[rid] = self._convert(rows)
 
-    def rows(self, step: SeqStep):
-        """The step's KV rows: its own, or its request's whole table (at least [0, end))."""
-        if step.kv_rows is not None:
-            return self._convert(step.kv_rows)
-        table = self._tables.get(step.rid)
+    def rows(self, rid: str):
+        """Request rid's whole table (covering at least every step it is named in)."""
+        table = self._tables.get(rid)
         if table is None:
-            raise RuntimeError(f"plan names row table {step.rid!r}, which the ranks do not hold")
+            raise RuntimeError(f"plan names row table {rid!r}, which the ranks do not hold")
         return table
 
 

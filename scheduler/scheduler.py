@@ -191,7 +191,7 @@ class Scheduler:
             return
         end = r.computed
         start = max(0, end - window)
-        plan.refresh.append(SeqStep(r.prompt[start:end], start, None, r.slot, rid=r.rid))
+        plan.refresh.append(SeqStep(r.rid, r.prompt[start:end], start, r.slot))
         plan.refresh_scratch.append(self.cfg.scratch_slot_base + len(plan.refresh_scratch))
         self.stats["loads_wr"] += 1
         self.stats["refresh_tokens"] += end - start
@@ -219,8 +219,8 @@ class Scheduler:
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
             sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output))
-        plan.seqs.append(SeqStep(r.token_slice(r.computed, end), r.computed, None, r.slot,
-                                 sample, r.rid))
+        plan.seqs.append(SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot,
+                                 sample))
         self._inflight.append((r, end - r.computed, sample is not None))
 
     def _plan_store(self, plan: BatchPlan, r: Req, end: int) -> None:

@@ -64,7 +64,7 @@ class FakeRanks:
         self.tables = RowTables()
 
     def kv_rows(self, q: SeqStep) -> list[int]:
-        return self.tables.rows(q)[: q.prefix_len + len(q.token_ids)]
+        return self.tables.rows(q.rid)[: q.prefix_len + len(q.token_ids)]
 
     def execute(self, plan: BatchPlan) -> None:
         s, cfg = self.s, self.s.cfg
@@ -74,8 +74,7 @@ class FakeRanks:
         self.tables.apply(plan)
         assert len(self.tables) == len(s.running)
         for r in s.running:
-            assert self.tables.rows(SeqStep([], 0, None, 0, rid=r.rid)) == r.rows
-        assert all(q.kv_rows is None for q in plan.seqs + plan.refresh)  # O(new tokens)
+            assert self.tables.rows(r.rid) == r.rows
         by_slot = {r.slot: r for r in s.running}
         in_tree = tree_ckpts(s)
         rows_in_tree = {x for n in s.cache._nodes() for x in n.value}
@@ -388,7 +387,7 @@ def test_exact_repeat_hits_one_token_early_and_tail_of_one_is_sampled(n):
     assert len(plan.loads) == 1
     (seq,) = plan.seqs  # SGLang #29633: a 1-token tail, sampled
     assert seq.token_ids == prompt[-1:] and seq.prefix_len == n - 1 and seq.sample is not None
-    assert seq.kv_rows is None and seq.rid == "b" and len(plan.tables["b"]) >= n
+    assert seq.rid == "b" and len(plan.tables["b"]) >= n
     assert_drained(s)
 
 
