@@ -19,6 +19,7 @@ from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cuda_graph import DecodeGraphs
+from model_runner.host_memory import keep_freed_memory
 from model_runner.loader import build_model, check_tp, load_weights
 from model_runner.models.common import StepContext
 from model_runner.parallel import TPGroup
@@ -75,6 +76,8 @@ class ModelRunner:
                                               use_graphs=self.device.type == "cuda",
                                               max_context=rc.cuda_graph_max_context)
             self.decode_graphs.capture_all()
+        if self.device.type == "cpu":  # after the weights and pools: they keep their own pages
+            keep_freed_memory()
 
     def _first_linear_mixer(self):
         layer = self.model.model.layers[self.cfg.linear_layer_ids[0]]

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from model_runner.ops.delta_rule import (
+    FACTOR_LIMIT,
     chunk_delta_rule,
+    decode_step,
     l2norm_div,
     recurrent_delta_rule,
     recurrent_step,
@@ -52,6 +54,38 @@ def test_chunked_matches_recurrence(per_channel, seq_len, chunk):
     o, s = chunk_delta_rule(q, k, v, g, beta, h0, 16**-0.5, chunk_size=chunk)
     _close(o, o_ref)
     _close(s, s_ref)
+
+
+@pytest.mark.parametrize("reset", [None, 5, 15])
+def test_per_channel_factorised_and_exact_forms(reset):
+    """Mild decays take the factorised intra-chunk form; a reset (log-decay -2 * FACTOR_LIMIT
+    at one token) pushes its chunk past the limit and the call takes the exact [C, C, K] form.
+    Both equal the recurrence; the result does not depend on the form."""
+    q, k, v, g, beta, h0 = _inputs(1, 40, 2, 16, 8, per_channel=True, seed=5)
+    g = g * 0.05  # total log-decay per 16-token chunk stays far above -FACTOR_LIMIT
+    assert (-g.sum(1)).max() < FACTOR_LIMIT
+    if reset is not None:
+        g[:, reset, 0, :3] = -2 * FACTOR_LIMIT
+    o_ref, s_ref = recurrent_delta_rule(q, k, v, g, beta, h0, 0.25)
+    o, s = chunk_delta_rule(q, k, v, g, beta, h0, 0.25)
+    _close(o, o_ref)
+    _close(s, s_ref)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gva_key_heads_without_expansion(per_channel):
+    """Hk key heads serving H = 3 Hk value heads equal the expanded call, chunked and decode."""
+    q, k, v, g, beta, h0 = _inputs(2, 37, 6, 16, 8, per_channel, seed=6)
+    q, k = q[:, :, :2], k[:, :, :2]
+    qe, ke = q.repeat_interleave(3, dim=2), k.repeat_interleave(3, dim=2)
+    o_ref, s_ref = recurrent_delta_rule(qe, ke, v, g, beta, h0, 0.25)
+    o, s = chunk_delta_rule(q, k, v, g, beta, h0, 0.25, chunk_size=16)
+    _close(o, o_ref)
+    _close(s, s_ref)
+    o1, s1 = decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0.clone(), 0.25)
+    o1_ref, s1_ref = recurrent_step(qe[:, 0], ke[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0, 0.25)
+    _close(o1, o1_ref, tol=1e-6)
+    _close(s1, s1_ref, tol=1e-6)
 
 
 def test_kda_matches_fla_naive_references():

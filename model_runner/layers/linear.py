@@ -23,10 +23,13 @@ from model_runner.parallel import TPGroup
 Index = torch.Tensor | None  # None: the whole on-disk extent
 
 
-def group_rows(groups: Sequence[int], group_size: int) -> torch.Tensor:
-    """Row indices of the listed groups of ``group_size`` consecutive rows, in listed order."""
+def group_rows(groups: Sequence[int], group_size: int, start: int = 0,
+               length: int | None = None) -> torch.Tensor:
+    """Row indices of the listed groups of ``group_size`` consecutive rows, in listed order;
+    with ``start``/``length``, only rows [start, start + length) of each group."""
     g = torch.as_tensor(list(groups), dtype=torch.long)
-    return (g[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    length = group_size - start if length is None else length
+    return (g[:, None] * group_size + start + torch.arange(length)).reshape(-1)
 
 
 def rank_slice(num: int, tp: TPGroup) -> list[int]:

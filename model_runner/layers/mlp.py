@@ -132,11 +132,22 @@ class SparseMoE(nn.Module):
         return self.tp.all_reduce(out + shared)
 
     def _routed_experts(self, x, weights, ids, out) -> None:
-        for expert in torch.unique(ids).tolist():  # host sync: the set of used experts
-            token, slot = torch.where(ids == expert)
-            gate, up = F.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[expert])
-            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        """Tokens grouped by expert with one sort: per used expert one contiguous GEMM pair over
+        its rows of the gathered batch, then one weighted scatter-add back."""
+        order = ids.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
+        counts = torch.bincount(ids.reshape(-1), minlength=self.cfg.num_experts).tolist()
+        token = order // ids.shape[1]
+        gathered = x[token]  # [N * k, hidden]
+        h = torch.empty_like(gathered)
+        start = 0
+        for expert, count in enumerate(counts):  # host sync: the per-expert counts
+            if count:
+                rows = slice(start, start + count)
+                gate, up = F.linear(gathered[rows], self.w13[expert]).chunk(2, dim=-1)
+                h[rows] = F.linear(F.silu(gate) * up, self.w2[expert])
+                start += count
+        h *= weights.reshape(-1)[order, None].to(h.dtype)
+        out.index_add_(0, token, h.to(out.dtype))
 
     def _all_experts(self, x, weights, ids, out) -> None:
         """Fixed shapes: a dense routing matrix [N, E] (0 where not routed) weighs every

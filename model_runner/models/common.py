@@ -39,12 +39,11 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
     if batch.is_decode:
         out, pool[slots] = conv_decode(mixed, weight, pool[slots])
         return out
-    outs = []
+    out = mixed.new_empty(mixed.shape)
     for i, slot in enumerate(slots.tolist()):
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        out, pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
-        outs.append(out)
-    return torch.cat(outs)
+        out[a:b], pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
+    return out
 
 
 def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float) -> torch.Tensor:

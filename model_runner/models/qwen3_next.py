@@ -4,6 +4,8 @@ GDN on-disk layout, per key head (a "bundle"): ``in_proj_qkvz`` rows
 ``[q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)]`` and ``in_proj_ba`` rows ``[b (r) | a (r)]`` with
 r = value heads per key head; conv channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]``; value head
 ``kh*r + j`` belongs to key head kh.  A rank keeps whole bundles, listed in ``bundles``.
+The loader regroups the projection rows part by part (``[q | k | v | z]`` over the rank's
+bundles, ``[b | a]``), so the projection's output is already in conv-channel order.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ class GatedDeltaNet(nn.Module):
         self.num_k_local, self.num_v_local = len(bundles), len(bundles) * r
         self.r, self.dk, self.dv = r, dk, dv
         v_heads = [b * r + j for b in bundles for j in range(r)]
-        self.in_proj_qkvz = ColumnParallelLinear(
-            cfg.hidden_size, {None: group_rows(bundles, 2 * dk + 2 * r * dv)}, dtype)
-        self.in_proj_ba = ColumnParallelLinear(cfg.hidden_size, {None: group_rows(bundles, 2 * r)},
-                                               dtype)
+        size, parts = 2 * dk + 2 * r * dv, [(0, dk), (dk, dk), (2 * dk, r * dv),
+                                            (2 * dk + r * dv, r * dv)]  # q, k, v, z
+        self.in_proj_qkvz = ColumnParallelLinear(cfg.hidden_size, {None: torch.cat(
+            [group_rows(bundles, size, a, n) for a, n in parts])}, dtype)
+        self.in_proj_ba = ColumnParallelLinear(cfg.hidden_size, {None: torch.cat(
+            [group_rows(bundles, 2 * r, 0, r), group_rows(bundles, 2 * r, r, r)])}, dtype)
         conv_index = torch.cat([group_rows(bundles, dk), num_k * dk + group_rows(bundles, dk),
                                 2 * num_k * dk + group_rows(v_heads, dv)])
         self.conv1d = nn.Module()
@@ -63,14 +67,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         n, hk, hv = x.shape[0], self.num_k_local, self.num_v_local
-        r, dk, dv = self.r, self.dk, self.dv
-        q, k, v, z = self.in_proj_qkvz(x).view(n, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(n, hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        dk, dv = self.dk, self.dv
+        mixed, z = self.in_proj_qkvz(x).split([2 * hk * dk + hv * dv, hv * dv], dim=-1)
+        b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
         mixed = short_conv(mixed, self.conv1d.weight, ctx, self.linear_index)
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        beta = b.reshape(n, hv).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(n, hv).float() + self.dt_bias)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         q = l2norm_rsqrt(q.reshape(n, hk, dk).float())
         k = l2norm_rsqrt(k.reshape(n, hk, dk).float())
         o = delta_rule(q, k, v.reshape(n, hv, dv).float(), g, beta.float(), ctx,

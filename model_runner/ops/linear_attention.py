@@ -1,6 +1,6 @@
 """One interface for the delta-rule recurrence, chosen by device at run time.
 
-CPU: ``chunk_delta_rule`` per sequence for prefill, ``recurrent_step`` for decode (torch).
+CPU: ``chunk_delta_rule`` per sequence for prefill, ``decode_step`` for decode (torch).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
 lazily, so this module imports on machines without a GPU driver.
 
@@ -12,12 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from model_runner.ops.delta_rule import chunk_delta_rule, recurrent_step
-
-
-def _expand(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
-    ratio = num_v_heads // x.shape[-2]
-    return x if ratio == 1 else x.repeat_interleave(ratio, dim=-2)
+from model_runner.ops.delta_rule import chunk_delta_rule, decode_step
 
 
 def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float
@@ -25,15 +20,14 @@ def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: f
     """Returns (o [N, Hv, V] FP32, final states [B, Hv, K, V] FP32)."""
     if q.is_cuda:
         return _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale)
-    q, k = _expand(q, v.shape[-2]), _expand(k, v.shape[-2])
-    outs, finals = [], []
+    o = v.new_empty(v.shape, dtype=torch.float32)
+    finals = torch.empty_like(states, dtype=torch.float32)
     for i in range(len(cu_seqlens) - 1):
         a, b = cu_seqlens[i], cu_seqlens[i + 1]
-        o, final = chunk_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b],
-                                    beta[None, a:b], states[i : i + 1], scale)
-        outs.append(o[0])
-        finals.append(final)
-    return torch.cat(outs), torch.cat(finals)
+        o[a:b], finals[i] = (x[0] for x in chunk_delta_rule(
+            q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], beta[None, a:b],
+            states[i : i + 1], scale))
+    return o, finals
 
 
 def delta_rule_decode(q, k, v, g, beta, states, scale: float
@@ -41,8 +35,7 @@ def delta_rule_decode(q, k, v, g, beta, states, scale: float
     """One token per sequence: q, k [B, Hk, K] ... -> (o [B, Hv, V], new states)."""
     if q.is_cuda:
         return _fla_decode(q, k, v, g, beta, states, scale)
-    q, k = _expand(q, v.shape[-2]), _expand(k, v.shape[-2])
-    return recurrent_step(q, k, v, g, beta, states, scale)
+    return decode_step(q, k, v, g, beta, states.to(torch.float32, copy=True), scale)
 
 
 def _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale):

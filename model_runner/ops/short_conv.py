@@ -13,16 +13,23 @@ import torch.nn.functional as F
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [n, C]; weight: [C, kernel]; state: [C, kernel - 1] -> (silu(out) [n, C], new state)."""
-    ext = torch.cat([state.to(weight.dtype), x.to(weight.dtype).t()], dim=1)  # [C, k - 1 + n]
-    out = F.conv1d(ext[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, n]
-    new_state = ext[:, ext.shape[1] - state.shape[1] :]
-    return F.silu(out).t().to(x.dtype), new_state.to(state.dtype)
+    """x: [n, C]; weight: [C, kernel]; state: [C, kernel - 1] -> (silu(out) [n, C], new state).
+
+    Token-major, accumulated in FP32: ``kernel`` multiply-adds over [n, C] (a grouped
+    ``F.conv1d`` with thousands of one-channel groups runs per channel on CPU).  The sum is
+    rounded to the weight dtype before the SiLU, where transformers' conv rounds it."""
+    n, width = x.shape[0], state.shape[1]
+    ext = torch.cat([state.t().float(), x.float()])  # [k - 1 + n, C]
+    w = weight.float()
+    out = ext[:n] * w[:, 0]
+    for j in range(1, width + 1):
+        out.addcmul_(ext[j : j + n], w[:, j])
+    return F.silu(out.to(weight.dtype)).to(x.dtype), ext[n:].t().to(state.dtype)
 
 
 def conv_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence. x: [B, C]; states: [B, C, kernel - 1] -> ([B, C], new states)."""
-    ext = torch.cat([states.to(weight.dtype), x.to(weight.dtype)[..., None]], dim=-1)
-    out = (ext * weight).sum(dim=-1)
-    return F.silu(out).to(x.dtype), ext[..., 1:].to(states.dtype)
+    ext = torch.cat([states.float(), x.float()[..., None]], dim=-1)
+    out = (ext * weight.float()).sum(dim=-1)
+    return F.silu(out.to(weight.dtype)).to(x.dtype), ext[..., 1:].to(states.dtype)
