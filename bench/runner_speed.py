@@ -1,10 +1,13 @@
 """Prefill throughput and decode step time of the runner (run as one rank or under torchrun).
 
     python bench/runner_speed.py [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
-                                 [--cuda-graph]
+                                 [--dtype float32|bfloat16] [--cuda-graph] [--profile 20]
     torchrun --standalone --nproc-per-node 2 bench/runner_speed.py ...
 
-Rank 0 prints one JSON line per measurement (median of --repeats).
+Rank 0 prints one JSON line for the machine (torch's CPU capability, whether the CPU has native
+bf16 dot products), then one per measurement (median of --repeats).  ``--profile N`` adds the
+torch profiler's top N operators by self time over one more prefill.  Real-shape models come
+from ``bench/real_shape_models.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the top N operators of one prefill (torch profiler)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode through model_runner.cuda_graph: replayed CUDA graphs on cuda, "
                         "the same fixed-shape step eagerly on cpu")
@@ -55,6 +60,10 @@ def main() -> None:
     prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist()
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(max_batch)]
 
+    report(tp, kind="machine", cpu=torch.cpu.get_capabilities().get("cpu_name"),
+           cpu_capability=torch.backends.cpu.get_cpu_capability(),
+           native_bf16=cpu_has_native_bf16(), threads=torch.get_num_threads(),
+           model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype)
     times = []
     for _ in range(args.repeats):
         tp.barrier()
@@ -65,6 +74,14 @@ def main() -> None:
     report(tp, kind="prefill", tp_size=tp.size, device=str(device), tokens=args.prompt_len,
            seconds=statistics.median(times),
            tokens_per_s=args.prompt_len / statistics.median(times))
+
+    if args.profile and tp.is_first:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            runner.forward([SeqInput(prompt, 0, tables[0], 1)])
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile),
+              flush=True)
 
     short = prompt[:64]
     for batch in args.decode_batch:
@@ -83,6 +100,13 @@ def main() -> None:
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
                decode_path=decode_path, step_ms=1000 * statistics.median(steps))
     shutdown_tp_group(tp)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without either, oneDNN emulates bf16 GEMMs (6x slower than fp32 on
+    the AVX2 machines measured in docs/results/runner.md)."""
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def sync(device: torch.device) -> None:

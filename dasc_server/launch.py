@@ -33,7 +33,7 @@ RANK_FLAGS = ("--dtype", "--device", "--wmax", "--load-policy", "--placement", "
               "--cuda-graph-max-context")
 RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
 SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
-               "--checkpoint-interval", "--wmax", "--load-policy")
+               "--step-target-ms", "--checkpoint-interval", "--wmax", "--load-policy")
 SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
 
 
@@ -82,8 +82,8 @@ def validate(args: argparse.Namespace) -> None:
     check_tp(cfg, args.tp, str(model_dir / "config.json"))
     check_weight_files(model_dir)
     for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                 "cuda_graph_max_bs", "cuda_graph_max_context"):
-        if getattr(args, name) < 1:
+                 "cuda_graph_max_bs", "cuda_graph_max_context", "step_target_ms"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.checkpoint_interval < 0 or args.wmax < 0:
         raise ValueError("--checkpoint-interval and --wmax must be >= 0")
@@ -185,6 +185,7 @@ def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
             f"checkpoint_slots={info.num_checkpoint_slots} "
             f"bytes_per_slot={info.checkpoint_bytes_per_slot} "
             f"(dense {info.dense_bytes_per_slot}) wmax={info.w_max:g} "
+            f"chunked_prefill_size={info.chunked_prefill_size} "
             f"load_policy={info.load_policy} prefix_cache={info.prefix_cache}")
 
 

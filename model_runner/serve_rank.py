@@ -125,8 +125,30 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
     info = RankInfo(cfg.architecture, tp.size, cfg.vocab_size, cfg.eos_token_id,
                     max_context_len(args.model), num_slots, slot_bytes,
                     dense_slot_bytes(cfg, tp.size), plan.refresh_window,
-                    f"{args.selection} {payload} {args.placement}")
+                    f"{args.selection} {payload} {args.placement}",
+                    measure_prefill_rate(runner, min(PROBE_TOKENS, args.max_total_tokens)))
     return runner, tp, info
+
+
+PROBE_TOKENS = 128
+
+
+def measure_prefill_rate(runner: ModelRunner, num_tokens: int) -> float:
+    """Tokens per second of one timed prefill of ``num_tokens`` (after one untimed warm-up), on
+    every rank (SPMD); it writes KV rows [0, n) and state slot 1, which nothing holds yet, and
+    leaves the slot zeroed."""
+    ids = [i % runner.vocab_size for i in range(num_tokens)]
+    step = [SeqInput(ids, 0, list(range(num_tokens)), 1)]
+    runner.forward(step)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    runner.forward(step)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    runner.zero_state(1)
+    return num_tokens / max(elapsed, 1e-9)
 
 
 def row_tables() -> RowTables:

@@ -25,7 +25,7 @@ from scheduler.messages import (
     StatsReq,
     StepResult,
 )
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler, SchedulerConfig, prefill_budget
 
 IDLE_POLL_S = 0.5
 
@@ -37,8 +37,13 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in tokens (page size 1)")
     g.add_argument("--max-running-requests", type=int, default=16,
                    help="requests decoded together (active state slots)")
-    g.add_argument("--chunked-prefill-size", type=int, default=2048,
-                   help="new tokens per step, decodes included")
+    g.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="new tokens per step, decodes included (default: derived from the "
+                        "prefill rate the ranks measure at start-up and --step-target-ms)")
+    g.add_argument("--step-target-ms", type=float, default=250.0,
+                   help="with the derived --chunked-prefill-size: the time a step's prefill "
+                        "should take, so decodes never wait behind a whole long prompt "
+                        "(64 to 8192 tokens)")
     g.add_argument("--checkpoint-interval", type=int, default=256,
                    help="store a checkpoint every N prompt tokens (0: at the prompt end only)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
@@ -133,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         max_context_len=info.max_context_len,
         vocab_size=info.vocab_size,
         eos_token_id=info.eos_token_id,
-        chunked_prefill_size=args.chunked_prefill_size,
+        chunked_prefill_size=args.chunked_prefill_size or prefill_budget(
+            info.prefill_tokens_per_s, args.step_target_ms),
         checkpoint_interval=args.checkpoint_interval,
         prefix_cache=not args.no_prefix_cache,
         cache_finished=not args.no_cache_finished,
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.max_total_tokens, info.max_context_len, cfg.max_running_requests,
         info.num_checkpoint_slots, info.checkpoint_bytes_per_slot, info.dense_bytes_per_slot,
         args.wmax, args.load_policy, info.refresh_window, cfg.prefix_cache,
-        info.checkpoint_format))
+        info.checkpoint_format, cfg.chunked_prefill_size))
     proc = SchedulerProcess(Scheduler(cfg), rank, front)
     try:
         proc.run()

@@ -116,6 +116,7 @@ class ServerInfo:
     refresh_window: int
     prefix_cache: bool
     checkpoint_format: str = ""  # "<selection> <payload> <placement>", e.g. "dasc fp32 hybrid"
+    chunked_prefill_size: int = 0  # new tokens per step, as configured or derived
 
     @property
     def arm(self) -> str:
@@ -147,6 +148,7 @@ class RankInfo:
     dense_bytes_per_slot: int  # max over ranks, W_max = 0
     refresh_window: int  # dasc-wr replay length W_wr (0: nothing omitted)
     checkpoint_format: str = ""  # "<selection> <payload> <placement>", e.g. "dasc fp32 hybrid"
+    prefill_tokens_per_s: float = 0.0  # measured at start-up (one timed prefill)
 
 
 @dataclass(slots=True)

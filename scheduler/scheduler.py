@@ -24,6 +24,15 @@ from scheduler.radix_cache import RadixCache
 from scheduler.request import Req
 
 
+def prefill_budget(tokens_per_s: float, step_target_ms: float, low: int = 64,
+                   high: int = 8192) -> int:
+    """New tokens per step so that a step's prefill takes about ``step_target_ms`` at the
+    measured prefill rate: a multiple of 64 in [low, high].  Decodes share every step with the
+    prefill chunks, so this bounds how long a decode waits behind a long prompt."""
+    tokens = int(tokens_per_s * step_target_ms / 1000.0) // 64 * 64
+    return min(high, max(low, tokens))
+
+
 def active_state_slots(max_running_requests: int) -> int:
     """The ranks' active state pool: slot 0 reserved, one per request, one wr scratch each."""
     return 1 + 2 * max_running_requests

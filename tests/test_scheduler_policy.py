@@ -575,3 +575,14 @@ def test_scheduler_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_prefill_budget_follows_the_measured_rate():
+    from scheduler.scheduler import prefill_budget
+
+    # 1,000 tokens/s and a 250 ms step: 250 tokens, rounded down to 192 (multiples of 64)
+    assert prefill_budget(1000.0, 250.0) == 192
+    assert prefill_budget(4096.0, 250.0) == 1024
+    assert prefill_budget(8000.0, 500.0) == 4000 // 64 * 64
+    assert prefill_budget(10.0, 250.0) == 64  # never below one 64-token chunk
+    assert prefill_budget(1e7, 250.0) == 8192  # nor above the cap
