@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = p.parse_known_args(argv)
     rank_listener = ipc.listen(args.rank_port)
     front_listener = ipc.listen(args.frontend_port)
-    rank = rank_listener.accept()
+    rank = ipc.accept(rank_listener)
     info = ipc.recv(rank)
     if not isinstance(info, RankInfo):
         print(f"error: scheduler: rank 0 sent {type(info).__name__} instead of RankInfo",
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         load_policy=args.load_policy,
         refresh_window=info.refresh_window,
     )
-    front = front_listener.accept()
+    front = ipc.accept(front_listener)
     ipc.send(front, ServerInfo(
         args.model, info.model_type, info.tp_size, info.vocab_size, info.eos_token_id,
         cfg.max_total_tokens, info.max_context_len, cfg.max_running_requests,

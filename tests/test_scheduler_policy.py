@@ -586,3 +586,33 @@ def test_prefill_budget_follows_the_measured_rate():
     assert prefill_budget(8000.0, 500.0) == 4000 // 64 * 64
     assert prefill_budget(10.0, 250.0) == 64  # never below one 64-token chunk
     assert prefill_budget(1e7, 250.0) == 8192  # nor above the cap
+
+
+def test_ipc_connections_send_small_frames_at_once(monkeypatch):
+    """Both ends of an engine connection set TCP_NODELAY (issue 18: Nagle held tokens back),
+    and a message still round-trips."""
+    import os
+    import socket
+    import threading
+
+    from scheduler import ipc
+    from scheduler.messages import Shutdown
+
+    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
+    port = ipc.free_port()
+    listener = ipc.listen(port)
+    client: list = []
+    t = threading.Thread(target=lambda: client.append(ipc.connect(port, timeout=10)))
+    t.start()
+    server = ipc.accept(listener)
+    t.join(10)
+    try:
+        for conn in (server, client[0]):
+            with socket.socket(fileno=os.dup(conn.fileno())) as s:
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        ipc.send(client[0], Shutdown())
+        assert isinstance(ipc.recv(server), Shutdown)
+    finally:
+        server.close()
+        client[0].close()
+        listener.close()
