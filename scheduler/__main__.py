@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = p.parse_known_args(argv)
     rank_listener = ipc.listen(args.rank_port)
     front_listener = ipc.listen(args.frontend_port)
+    # the front end first: its handshake must not wait on a rank that may never connect (the
+    # launcher watches the ranks while it waits for ServerInfo and stops everything if they die)
+    front = ipc.accept(front_listener)
     rank = ipc.accept(rank_listener)
     info = ipc.recv(rank)
     if not isinstance(info, RankInfo):
@@ -146,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         load_policy=args.load_policy,
         refresh_window=info.refresh_window,
     )
-    front = ipc.accept(front_listener)
     ipc.send(front, ServerInfo(
         args.model, info.model_type, info.tp_size, info.vocab_size, info.eos_token_id,
         cfg.max_total_tokens, info.max_context_len, cfg.max_running_requests,

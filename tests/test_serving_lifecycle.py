@@ -67,6 +67,27 @@ def test_a_dead_rank_ends_the_server_with_an_error():
         assert "error: the rank processes exited" in server.log()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_rank_failing_at_start_up_ends_the_server(tp):
+    """A rank that fails before it connects (here: a budget that holds no checkpoint slot) must
+    end dasc-serve with an error and a non-zero exit, not leave it waiting (issue 18)."""
+    from scheduler.ipc import free_port
+
+    cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(KIMI), "--tp", str(tp),
+           "--port", str(free_port()), "--state-budget-bytes", "100"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("dasc-serve hung after a rank failed at start-up")
+    assert proc.returncode != 0
+    assert "holds no checkpoint slot" in out and "error: the rank processes exited" in out
+    wait_group_gone(proc.pid)
+
+
 def test_a_dead_scheduler_ends_the_server_and_its_ranks():
     with running_server("--model", str(KIMI), "--tp", "2") as server:
         scheduler = children_running(server.proc.pid, "-m\0scheduler")
