@@ -38,12 +38,12 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=16,
                    help="requests decoded together (active state slots)")
     g.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help="new tokens per step, decodes included (default: derived from the "
-                        "prefill rate the ranks measure at start-up and --step-target-ms)")
-    g.add_argument("--step-target-ms", type=float, default=250.0,
-                   help="with the derived --chunked-prefill-size: the time a step's prefill "
-                        "should take, so decodes never wait behind a whole long prompt "
-                        "(64 to 8192 tokens)")
+                   help="new tokens per step, decodes included (default: 2048, or derived "
+                        "with --step-target-ms)")
+    g.add_argument("--step-target-ms", type=float, default=None,
+                   help="derive --chunked-prefill-size from the prefill rate the ranks measure "
+                        "at start-up: the tokens a step prefills in this time (64 to 8192), so "
+                        "decodes never wait behind a whole long prompt (default: off)")
     g.add_argument("--checkpoint-interval", type=int, default=256,
                    help="store a checkpoint every N prompt tokens (0: at the prompt end only)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
@@ -113,6 +113,17 @@ class SchedulerProcess:
         return True
 
 
+DEFAULT_CHUNKED_PREFILL = 2048
+
+
+def chunk_budget(args: argparse.Namespace, info: RankInfo) -> int:
+    if args.chunked_prefill_size is not None:
+        return args.chunked_prefill_size
+    if args.step_target_ms is not None:
+        return prefill_budget(info.prefill_tokens_per_s, args.step_target_ms)
+    return DEFAULT_CHUNKED_PREFILL
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scheduler",
                                 description="dasc scheduler process (started by dasc-serve).")
@@ -141,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         max_context_len=info.max_context_len,
         vocab_size=info.vocab_size,
         eos_token_id=info.eos_token_id,
-        chunked_prefill_size=args.chunked_prefill_size or prefill_budget(
-            info.prefill_tokens_per_s, args.step_target_ms),
+        chunked_prefill_size=chunk_budget(args, info),
         checkpoint_interval=args.checkpoint_interval,
         prefix_cache=not args.no_prefix_cache,
         cache_finished=not args.no_cache_finished,

@@ -616,3 +616,23 @@ def test_ipc_connections_send_small_frames_at_once(monkeypatch):
         server.close()
         client[0].close()
         listener.close()
+
+
+def test_chunk_budget_flags():
+    """An explicit --chunked-prefill-size wins; --step-target-ms derives the budget from the
+    rate rank 0 measured; neither keeps the default."""
+    import argparse
+
+    from scheduler.__main__ import DEFAULT_CHUNKED_PREFILL, chunk_budget
+    from scheduler.messages import RankInfo
+
+    info = RankInfo("qwen3_next", 1, 64, None, 4096, 4, 100, 100, 0, "",
+                    prefill_tokens_per_s=4096.0)
+
+    def budget(chunk, target):
+        return chunk_budget(argparse.Namespace(chunked_prefill_size=chunk,
+                                               step_target_ms=target), info)
+
+    assert budget(None, 250.0) == 1024
+    assert budget(300, 250.0) == 300
+    assert budget(None, None) == DEFAULT_CHUNKED_PREFILL == 2048
