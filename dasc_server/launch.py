@@ -77,6 +77,8 @@ def validate(args: argparse.Namespace) -> None:
     from model_runner.config import ModelConfig
     from model_runner.loader import check_tp, check_weight_files
 
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1 (got {args.tp})")
     model_dir = Path(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     check_tp(cfg, args.tp, str(model_dir / "config.json"))
@@ -85,8 +87,9 @@ def validate(args: argparse.Namespace) -> None:
                  "cuda_graph_max_bs", "cuda_graph_max_context", "step_target_ms"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.checkpoint_interval < 0 or args.wmax < 0:
-        raise ValueError("--checkpoint-interval and --wmax must be >= 0")
+    for name in ("checkpoint_interval", "wmax"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
     if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
         raise ValueError("--checkpoint-slots must be at least 1")
     if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:

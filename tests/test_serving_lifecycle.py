@@ -110,3 +110,8 @@ def test_bad_arguments_fail_before_anything_starts(tmp_path):
     proc = subprocess.run([*cmd[:-4], "--model", str(KIMI), "--tp", "3"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "error: " in proc.stderr
+    for flags, message in ((["--tp", "0"], "--tp must be at least 1 (got 0)"),
+                           (["--wmax", "-5"], "--wmax must be >= 0 (got -5.0)")):
+        proc = subprocess.run([*cmd[:-4], "--model", str(KIMI), *flags], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}"
