@@ -146,8 +146,7 @@ class SparseMoE(nn.Module):
                 gate, up = F.linear(gathered[rows], self.w13[expert]).chunk(2, dim=-1)
                 h[rows] = F.linear(F.silu(gate) * up, self.w2[expert])
                 start += count
-        h *= weights.reshape(-1)[order, None].to(h.dtype)
-        out.index_add_(0, token, h.to(out.dtype))
+        out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
 
     def _all_experts(self, x, weights, ids, out) -> None:
         """Fixed shapes: a dense routing matrix [N, E] (0 where not routed) weighs every

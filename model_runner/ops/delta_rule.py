@@ -121,7 +121,8 @@ def chunk_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked evaluation for equal-length sequences.
 
-    q, k: [B, T, Hk, K] (normalised; Hk divides H, GVA is expanded here); v: [B, T, H, V];
+    q, k: [B, T, Hk, K] (normalised; Hk divides H: GVA key heads are shared, not copied);
+    v: [B, T, H, V];
     g: [B, T, H] (per head) or [B, T, H, K] (per channel); beta: [B, T, H];
     initial_state: [B, H, K, V] or None.  Returns (o [B, T, H, V] FP32, final state FP32).
 
