@@ -28,9 +28,9 @@ from scheduler.messages import ServerInfo, Shutdown
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_runner" / "assets" / \
     "kimi-linear-tiny"
-RANK_FLAGS = ("--dtype", "--device", "--wmax", "--load-policy", "--placement", "--mask-seed",
-              "--selection", "--state-budget-bytes", "--checkpoint-slots", "--cuda-graph-max-bs",
-              "--cuda-graph-max-context")
+RANK_FLAGS = ("--dtype", "--device", "--step-target-ms", "--wmax", "--load-policy", "--placement",
+              "--mask-seed", "--selection", "--state-budget-bytes", "--checkpoint-slots",
+              "--cuda-graph-max-bs", "--cuda-graph-max-context")
 RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
 SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
                "--step-target-ms", "--checkpoint-interval", "--wmax", "--load-policy")

@@ -126,7 +126,8 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
                     max_context_len(args.model), num_slots, slot_bytes,
                     dense_slot_bytes(cfg, tp.size), plan.refresh_window,
                     f"{args.selection} {payload} {args.placement}",
-                    measure_prefill_rate(runner, min(PROBE_TOKENS, args.max_total_tokens)))
+                    measure_prefill_rate(runner, min(PROBE_TOKENS, args.max_total_tokens))
+                    if args.step_target_ms else 0.0)
     return runner, tp, info
 
 
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler-port", type=int, required=True)
     p.add_argument("--max-total-tokens", type=int, required=True)
     p.add_argument("--max-running-requests", type=int, required=True)
+    p.add_argument("--step-target-ms", type=float, default=None,
+                   help="measure the prefill rate at start-up (the scheduler's flag)")
     add_rank_args(p)
     args, _ = p.parse_known_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

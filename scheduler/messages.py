@@ -148,7 +148,7 @@ class RankInfo:
     dense_bytes_per_slot: int  # max over ranks, W_max = 0
     refresh_window: int  # dasc-wr replay length W_wr (0: nothing omitted)
     checkpoint_format: str = ""  # "<selection> <payload> <placement>", e.g. "dasc fp32 hybrid"
-    prefill_tokens_per_s: float = 0.0  # measured at start-up (one timed prefill)
+    prefill_tokens_per_s: float = 0.0  # measured at start-up with --step-target-ms, else 0
 
 
 @dataclass(slots=True)

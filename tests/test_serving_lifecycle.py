@@ -115,3 +115,14 @@ def test_bad_arguments_fail_before_anything_starts(tmp_path):
         proc = subprocess.run([*cmd[:-4], "--model", str(KIMI), *flags], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}"
+
+
+def test_step_target_derives_the_prefill_budget_from_the_ranks_measurement():
+    """--step-target-ms reaches the ranks, which time a prefill; the scheduler's budget is then
+    above the 64-token floor that a missing measurement (rate 0) would give."""
+    import httpx
+
+    with running_server("--model", str(KIMI), "--step-target-ms", "2000") as server:
+        info = httpx.get(server.base_url + "/server_info", timeout=30).json()
+        assert info["chunked_prefill_size"] % 64 == 0 and info["chunked_prefill_size"] > 64
+        assert server.complete([65, 66, 67], max_tokens=2)["choices"][0]["token_ids"]
