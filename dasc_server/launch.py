@@ -21,7 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
-from model_runner.serve_rank import add_rank_args
+from model_runner.rank_args import add_rank_args
 from scheduler import ipc
 from scheduler.__main__ import add_scheduler_args
 from scheduler.messages import ServerInfo, Shutdown

@@ -26,45 +26,12 @@ from model_runner.compression.plan import ModelIdentity, SelectionPlan, dasc_pla
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
+from model_runner.rank_args import add_rank_args
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import sample_tokens
 from scheduler import ipc
 from scheduler.messages import BatchPlan, RankInfo, RowTables, SeqStep, Shutdown, StepResult
 from scheduler.scheduler import active_state_slots
-
-
-def add_rank_args(p: argparse.ArgumentParser) -> None:
-    """Flags the ranks need; ``dasc-serve`` declares the same ones and passes them through."""
-    g = p.add_argument_group("model and checkpoints (ranks)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
-    g.add_argument("--disable-cuda-graph", action="store_true",
-                   help="on cuda, run decode steps eagerly instead of replaying CUDA graphs")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=32,
-                   help="largest decode batch replayed as a CUDA graph (capped at "
-                        "--max-running-requests); larger steps and prefill run eagerly "
-                        "(default: 32)")
-    g.add_argument("--cuda-graph-max-context", type=int, default=4096,
-                   help="longest decode context replayed as a CUDA graph; graphs for every "
-                        "context bucket (powers of two from 256) up to it are captured at "
-                        "start-up, longer contexts decode eagerly (default: 4096)")
-    g.add_argument("--wmax", type=float, default=0.0,
-                   help="W_max of the selection plan; 0 = dense checkpoints (default)")
-    g.add_argument("--load-policy", choices=["nr", "wr"], default="nr",
-                   help="on a hit: zero-fill omitted units (nr) or refresh them by replaying "
-                        "the last W_wr cached tokens (wr)")
-    g.add_argument("--placement", choices=["off", "storage", "hybrid"], default="off",
-                   help="TP-balanced placement of the stored units")
-    g.add_argument("--int8-checkpoints", action="store_true", help="INT8 checkpoint payload")
-    g.add_argument("--selection", choices=["dasc", "random"], default="dasc",
-                   help="decay-aware selection, or the count-matched random control")
-    g.add_argument("--mask-seed", type=int, default=1234, help="seed of --selection random")
-    size = g.add_mutually_exclusive_group()
-    size.add_argument("--state-budget-bytes", type=int, default=None,
-                      help="checkpoint memory per rank; slots = floor(B / worst-rank bytes per "
-                           "slot) - 1 (paper eq. 8)")
-    size.add_argument("--checkpoint-slots", type=int, default=None,
-                      help="number of checkpoint slots (default: 64)")
 
 
 def build_plan(args: argparse.Namespace, cfg: ModelConfig) -> SelectionPlan:
