@@ -12,20 +12,28 @@ import time
 from collections.abc import Iterator
 
 from client.api import DascClient
+from client.cli_help import DefaultsHelpFormatter
 from client.transport import DEFAULT_BASE_URL
 from client.types import DascError, StreamEvent, Usage
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("prompt", help="prompt text (a user message with --chat)")
-    parser.add_argument("--base-url", default=DEFAULT_BASE_URL)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the server's address")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--model", default=None, help="sent as the request's model")
-    return parser.parse_args(argv)
+    parser.add_argument("--api-key", default=None,
+                        help="sent as a bearer token (default: no Authorization header)")
+    parser.add_argument("--model", default=None,
+                        help="sent as the request's model (default: not sent)")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def summary(usage: Usage | None, ttft_s: float | None, finish_reason: str | None) -> str:

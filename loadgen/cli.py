@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from client.cli_help import DefaultsHelpFormatter
 from loadgen.phases import phase_dataset, plan_phases, run_phases
 from loadgen.runner import Progress, run_sequential, run_window
 from loadgen.stream import ServerAdmin, make_client
@@ -38,40 +39,57 @@ WORKLOADS = ("shared-prefix", "phases", "multi-turn", "file")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dasc-loadgen", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="dasc-loadgen", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model name sent in each request")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", choices=WORKLOADS, required=True)
+    p.add_argument("--model", default=None,
+                   help="model name sent in each request (default: not sent)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as a bearer token (default: no Authorization header)")
+    p.add_argument("--workload", choices=WORKLOADS, required=True, help="what to send")
     g = p.add_argument_group("shared-prefix (groups x prompts) / multi-turn (conversations x "
                              "turns; prefix = context, suffix = tokens added per turn)")
-    g.add_argument("--num-groups", type=int, default=8)
-    g.add_argument("--prompts-per-group", type=int, default=8)
-    g.add_argument("--prefix-len", type=int, default=512)
-    g.add_argument("--suffix-len", type=int, default=32)
+    g.add_argument("--num-groups", type=int, default=8, help="groups / conversations")
+    g.add_argument("--prompts-per-group", type=int, default=8, help="prompts / turns of each")
+    g.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared prefix")
+    g.add_argument("--suffix-len", type=int, default=32, help="tokens after the prefix")
     g = p.add_argument_group("phases (paper appendix C.2)")
     g.add_argument("--num-prompts", type=int, default=256, help="dataset size D")
-    g.add_argument("--prompt-len", type=int, default=256)
+    g.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
     g.add_argument("--boundary-slots", type=int, nargs="+", default=None, metavar="N",
                    help="checkpoint slots of each capacity boundary, the dense one first "
                    "(default: the server's live num_checkpoint_slots)")
-    g.add_argument("--dense-replays", type=int, default=6)
+    g.add_argument("--dense-replays", type=int, default=6,
+                   help="timed replays of each dense-boundary block")
     g.add_argument("--dataset-seed", type=int, default=0,
                    help="seed of the prompts (phases, multi-turn); --seed orders requests")
     g = p.add_argument_group("file")
     g.add_argument("--prompt-file", type=Path, default=None,
-                   help='JSON lines {"prompt": text|[ids], "max_tokens"?, "warmup"?}')
+                   help='JSON lines {"prompt": text|[ids], "max_tokens"?, "warmup"?} '
+                   "(default: none; --workload file needs it)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
     p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals per second (default: all at once)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=1)
+                   help="Poisson arrivals per second; inf sends all at once")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request order, the arrivals "
+                   "and the shared-prefix prompts")
+    p.add_argument("--max-tokens", type=int, default=1, help="tokens to generate per request")
     p.add_argument("--token-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="prompt token ids are drawn from [LO, HI)")
+                   help="prompt token ids are drawn from [LO, HI) (default: the server's "
+                   "vocabulary from /server_info)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--output", type=Path, default=None, help="JSON lines file")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--output", type=Path, default=None,
+                   help="JSON lines file (default: none, the table only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
+
+
+async def check_reachable(client: httpx.AsyncClient, base_url: str) -> None:
+    """One GET before anything else: a wrong URL or a server that is down becomes one error
+    that names the URL, not a failure of every request.  Any HTTP answer will do."""
+    try:
+        await client.get("/v1/models")
+    except httpx.TransportError as e:
+        raise ConnectionError(f"cannot reach {base_url}: {e or type(e).__name__}") from None
 
 
 async def token_range(args: argparse.Namespace, admin: ServerAdmin) -> tuple[int, int]:
@@ -89,6 +107,7 @@ async def token_range(args: argparse.Namespace, admin: ServerAdmin) -> tuple[int
 async def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """(JSON lines, summary) of one load-generator run."""
     async with make_client(args.base_url, args.concurrency, args.api_key, args.timeout) as client:
+        await check_reachable(client, args.base_url)
         admin = ServerAdmin(client)
         if args.workload == "phases":
             return await _run_phases(args, client, admin)

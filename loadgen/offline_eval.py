@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from client.cli_help import DefaultsHelpFormatter
 from loadgen.arm_sweep import NEWLINE, InstanceScore, Result, sweep
 from loadgen.arms import (
     COMPRESSED,
@@ -89,46 +90,57 @@ def appender(path: str | Path):
     return emit
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     from model_runner.generate import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(
         prog="dasc-eval", description="Per-subtask accuracy and logit fidelity (mean KL vs "
         "dense, delta NLL) of a model on dasc's RULER-style task suite, answering each question "
         "on top of a cached context prefix.  Subcommands: 'dasc-eval report -h', "
-        "'dasc-eval study -h'.")
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder (default: built-in)")
+        "'dasc-eval study -h'.", formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="model folder (default: the built-in tiny Kimi-Linear model, "
+                        "%(default)s)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--tasks", default="all", help=f"comma list from {','.join(TASKS)} or 'all'")
-    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                   help="context lengths in tokens")
     p.add_argument("--n", type=int, default=10, help="instances per (task, length)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the instances")
     p.add_argument("--quick", action="store_true", help="3 instances per task, shortest length")
     p.add_argument("--arms", nargs="+", default=["dense"],
                    help="dense | nr@W | wr@W | nr-int8@W | random@W | zero-full-kv | zero-linear | "
                         "zero-both (paper Table 1(a) interventions) | a bare nr, wr, nr-int8 or "
-                        "random (run at every --w-max); default: dense")
-    p.add_argument("--w-max", type=float, nargs="+", default=[],
-                   help="W_max values for arms given as a bare kind")
+                        "random (run at every --w-max)")
+    p.add_argument("--w-max", type=float, nargs="+", default=None,
+                   help="W_max values for arms given as a bare kind (default: none; a bare kind "
+                        "then is an error)")
     p.add_argument("--mask-seeds", type=int, nargs="+", default=[RANDOM_SEED],
                    help="one count-matched random plan per seed (paper: 1234 2027 3407 4519 5683)")
     p.add_argument("--batch", type=int, default=8, help="instances per batch")
     p.add_argument("--json", action="store_true",
                    help="one JSON line per (arm, task, length) instead of a table")
     p.add_argument("--out", help="append JSON lines to this file and skip (arm, task, length) "
-                   "units it already holds (resumable)")
+                   "units it already holds (resumable; default: no file)")
     p.add_argument("--decode-all", action="store_true",
                    help="decode every instance (default: skip greedy decoding where the "
                         "teacher-forced argmax path already is the gold completion)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations")
     p.add_argument("--base-url", default=None,
                    help="evaluate through a running dasc-serve instead (warm-then-replay; the "
-                        "arm is the server's; --model names the tokenizer folder)")
-    p.add_argument("--api-key", default=None, help="with --base-url: the server's API key")
+                        "arm is the server's; --model names the tokenizer folder; default: "
+                        "in-process)")
+    p.add_argument("--api-key", default=None,
+                   help="with --base-url: the server's API key (default: none)")
     p.add_argument("--concurrency", type=int, default=4,
                    help="with --base-url: instances in flight")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.n, args.lengths = 3, [min(args.lengths)]
     args.task_list = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
@@ -146,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     unknown = [t for t in args.task_list if t not in TASKS]
     try:
-        args.arm_list = expand_arms(args.arms, args.w_max, args.mask_seeds)
+        args.arm_list = expand_arms(args.arms, args.w_max or [], args.mask_seeds)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

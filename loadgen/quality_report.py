@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from client.cli_help import DefaultsHelpFormatter
 from loadgen.paired_stats import NUM_RESAMPLES, PairedDiff, holm, paired_bootstrap
 from loadgen.quality_tables import (
     Runs,
@@ -156,15 +157,21 @@ def report(runs: Runs, resamples: int = NUM_RESAMPLES, seed: int = 0, log=None) 
     return "\n\n".join(parts) + "\n"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dasc-eval report", description="Quality tables, paired "
-                                "inference and a W_max plot from dasc-eval JSON lines.")
+                                "inference and a W_max plot from dasc-eval JSON lines.",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("results", nargs="+", help="JSON-lines files written by dasc-eval --out")
     p.add_argument("--md", help="write the markdown here (default: stdout)")
-    p.add_argument("--png", help="also plot accuracy and KL vs W_max (nr, wr, random) here")
-    p.add_argument("--resamples", type=int, default=NUM_RESAMPLES)
+    p.add_argument("--png", help="also plot accuracy and KL vs W_max (nr, wr, random) here "
+                   "(default: no plot)")
+    p.add_argument("--resamples", type=int, default=NUM_RESAMPLES, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from client.cli_help import DefaultsHelpFormatter
 from loadgen.tasks import LENGTHS, TASKS
 
 ASSETS = Path(__file__).resolve().parent.parent / "model_runner" / "assets"
@@ -31,25 +32,34 @@ QUICK = {"tasks": "s1,vt", "n": 2, "lengths": [512], "w_max": [16, 1024],
          "mask_seeds": MASK_SEEDS[:2]}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dasc-eval study", description="Quality under compression: "
-                                "every arm on both models, then the report.")
+                                "every arm on both models, then the report.",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--out-dir", required=True, help="one <model>.jsonl per model (resumable)")
     p.add_argument("--md", help="markdown tables (default: OUT_DIR/tables.md)")
     p.add_argument("--png", help="accuracy and KL vs W_max (default: OUT_DIR/quality.png)")
-    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--models", nargs="+", default=MODELS, help="model folders")
     p.add_argument("--tasks", default="all", help=f"comma list from {','.join(TASKS)} or 'all'")
-    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                   help="context lengths in tokens")
     p.add_argument("--n", type=int, default=16, help="instances per (task, length)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--w-max", type=float, nargs="+", default=W_MAX)
-    p.add_argument("--mask-seeds", type=int, nargs="+", default=MASK_SEEDS)
-    p.add_argument("--arms", nargs="+", default=ARMS)
+    p.add_argument("--batch", type=int, default=8, help="instances per batch")
+    p.add_argument("--w-max", type=float, nargs="+", default=W_MAX,
+                   help="W_max of the compressed and random arms")
+    p.add_argument("--mask-seeds", type=int, nargs="+", default=MASK_SEEDS,
+                   help="one random plan per seed (the paper's five)")
+    p.add_argument("--arms", nargs="+", default=ARMS, help="arm kinds, as dasc-eval --arms")
     p.add_argument("--jobs", type=int, default=2, help="models evaluated at once")
     p.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--quick", action="store_true",
                    help="smoke version: tasks s1,vt, 2 instances at 512, W_max 16 and 1024, "
                         "two mask seeds")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.quick:  # the smoke settings become the defaults; flags given explicitly still win
         p.set_defaults(**QUICK)

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import torch
 
+from client.cli_help import DefaultsHelpFormatter
 from loadgen.tasks import TASKS, make_instances
 from model_runner.batch import SeqInput
 from model_runner.byte_tokenizer import encode_bytes
@@ -73,15 +74,21 @@ def table1b(model_dir: str, count: int, seed: int) -> dict[str, dict[str, float]
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from model_runner.generate import DEFAULT_MODEL
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--prefixes", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m loadgen.table1b",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder with weights")
+    p.add_argument("--prefixes", type=int, default=32, help="task-suite contexts analysed")
+    p.add_argument("--seed", type=int, default=0, help="seed of the contexts")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         table = table1b(args.model, args.prefixes, args.seed)
     except (ValueError, OSError) as e:

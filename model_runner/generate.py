@@ -12,31 +12,38 @@ import os
 import sys
 from pathlib import Path
 
+from client.cli_help import DefaultsHelpFormatter
 from model_runner.launch import is_first_rank, is_rank_process, relaunch
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "kimi-linear-tiny"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m model_runner.generate",
         description="Generate tokens from a Qwen3-Next or Kimi-Linear checkpoint (HF format) with "
                     "dasc's tensor-parallel runner. Prints the generated token ids (and text when "
-                    "the model folder has a tokenizer).")
+                    "the model folder has a tokenizer).", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="folder with config.json and *.safetensors (default: the built-in tiny "
-                        "Kimi-Linear model)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+                        "Kimi-Linear model, %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer in the model folder)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="tokens to generate at most (fewer at the model's eos)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def load_tokenizer(model_dir: Path):

@@ -8,6 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from client.cli_help import DefaultsHelpFormatter
 from model_runner.compression.accounting import (
     DEFAULT_DENSE_SLOTS,
     PlanReport,
@@ -30,32 +31,53 @@ from model_runner.config import ConfigError, ModelConfig
 DEFAULT_WMAX = (16.0, 64.0, 128.0, 512.0)
 
 
+# Printed above the table's header: what each column is (the paper's symbols, sec. 4.1, App. B).
+LEGEND = (
+    "columns:",
+    "  W_max            horizon threshold (0: dense)",
+    "  select, place    dense | dasc | random; placement across ranks: off | storage | hybrid",
+    "  dtype, kept      temporal payload; fraction of units retained",
+    "  Rmax/rb          R_max / r_bar: most units a layer keeps over the mean (= C_rag / C_pad)",
+    "  C_pad, C_rag     temporal compression vs dense fp32, padded and ragged layout",
+    "  C_ckpt           dense slot bytes / this slot's bytes (temporal + BF16 conv)",
+    "  bytes/rank/slot  one slot on the worst rank; moved: rows that cross ranks per checkpoint",
+    "  slots, W_wr      slots at the budget; dasc-wr replay window (0: nothing omitted)",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dasc-plan",
         description="Decay-aware state-checkpoint accounting per TP rank. With weights: one row "
         "per W_max and placement (off | storage | hybrid). With config.json only: the dense row.",
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL_OR_CONFIG_DIR",
                    help="model directory (config.json, optional safetensors) or a config.json")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     p.add_argument("--wmax", type=float, nargs="+", default=None, metavar="W",
-                   help=f"thresholds W_max (default {' '.join(f'{w:g}' for w in DEFAULT_WMAX)})")
+                   help=f"thresholds W_max (default: {' '.join(f'{w:g}' for w in DEFAULT_WMAX)}"
+                   ", or the dense row alone without weights)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--budget-bytes", type=int, help="per-rank checkpoint budget in bytes")
+    budget.add_argument("--budget-bytes", type=int,
+                        help="per-rank checkpoint budget in bytes (default: set by --dense-slots)")
     budget.add_argument("--dense-slots", type=int, default=DEFAULT_DENSE_SLOTS,
-                        help="budget as this many physical dense slots per rank (default 128)")
+                        help="budget as this many physical dense slots per rank")
     p.add_argument("--int8", action="store_true", help="INT8 temporal payload (+fp32 scales)")
-    p.add_argument("--layout", choices=("ragged", "padded"), default="ragged")
+    p.add_argument("--layout", choices=("ragged", "padded"), default="ragged",
+                   help="how the retained units of a layer are stored")
     p.add_argument("--gate-input", type=float, default=DEFAULT_GATE_INPUT,
-                   help="representative gate input a (default -0.3)")
-    p.add_argument("--eps", type=float, default=DEFAULT_EPS, help="decay floor (default 1e-3)")
+                   help="representative gate input a")
+    p.add_argument("--eps", type=float, default=DEFAULT_EPS, help="decay floor")
     p.add_argument("--random-seed", type=int, default=None,
-                   help="count-matched random selection with this seed instead of dasc")
+                   help="count-matched random selection with this seed instead of dasc "
+                   "(default: dasc's selection)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--plot", type=Path, metavar="FILE.png", help="write horizon profiles")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="write horizon profiles (default: no plot)")
     p.add_argument("--save-plan", type=Path, metavar="FILE.json",
-                   help="write the selection plan of the single --wmax given")
+                   help="write the selection plan of the single --wmax given (default: not "
+                   "written)")
     return p
 
 
@@ -102,10 +124,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_plan is not None:
         chosen = next((p for p in plans if p.w_max == wmaxes[0]), plans[0])
         chosen.save(args.save_plan)
+        print(f"wrote {args.save_plan}", file=sys.stderr)
     if args.plot is not None:
         from model_runner.compression.plot import plot_horizons
 
         plot_horizons(cfg, horizons, wmaxes, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     reports = [report_plan(p, cfg, args.tp, budget, False, args.layout,
                            ("off",) if p.selector == "dense" else PLACEMENTS) for p in plans]
     if args.int8:
@@ -159,6 +183,7 @@ def _as_table(cfg: ModelConfig, tp_size: int, reports: list[PlanReport]) -> str:
         f"TP {tp_size}",
         f"budget: {dense.budget_bytes:,} bytes per rank; dense {dense.dense_slot_bytes:,} bytes "
         f"per rank per slot (conv {dense.conv_bytes:,} BF16) -> {dense.dense_slots} slots",
+        *LEGEND,
         f"{'W_max':>6} {'select':>6} {'place':>7} {'dtype':>5} {'kept':>6} {'Rmax/rb':>7} "
         f"{'C_pad':>6} {'C_rag':>6} {'C_ckpt':>6} {'bytes/rank/slot':>15} {'moved':>6} "
         f"{'slots':>6} {'W_wr':>5}",

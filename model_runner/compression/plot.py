@@ -2,7 +2,8 @@
 
 Panels: (1) per-layer map of log10 H_s over all model blocks (full-attention blocks gray),
 units in architectural order; (2) fraction of global units per (block, head) at the first
-W_max; (3) pooled distribution of log2 H_s with the W_max thresholds marked.
+W_max; (3) pooled distribution of log2 H_s with the W_max thresholds marked.  Axes that count
+(blocks, units, heads, histogram counts) get integer ticks only.
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ def plot_horizons(
     cfg: ModelConfig, horizons: torch.Tensor, w_maxes: list[float], path: str | Path
 ) -> None:
     """Write the three panels to `path` (any format matplotlib infers from the suffix)."""
+    fig = horizon_figure(cfg, horizons, w_maxes)  # selects the Agg backend first
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def horizon_figure(cfg: ModelConfig, horizons: torch.Tensor, w_maxes: list[float]):
+    """The three panels as a matplotlib Figure (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     h = horizons.double().numpy()  # [L, n]
     finite = np.where(np.isfinite(h), h, np.nan)
@@ -59,6 +70,7 @@ def plot_horizons(
             axes[2].text(math.log2(w), axes[2].get_ylim()[1] * 0.95, f" {w:g}", color="tab:red")
     axes[2].set(title=f"pooled static horizons ({h.size} {unit}s)", xlabel="log2 H_s [tokens]",
                 ylabel="count")
+    for axis in (axes[0].xaxis, axes[0].yaxis, axes[1].xaxis, axes[1].yaxis, axes[2].yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{cfg.architecture}: static retention horizons (W_max marked)")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
