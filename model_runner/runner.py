@@ -92,14 +92,36 @@ class ModelRunner:
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
 
+    def check_page_table(self, page_table: list[int] | torch.Tensor) -> torch.Tensor:
+        """A page table as the int64 tensor ``forward`` reads, every page id in the KV pool.
+        O(table): run it once where a table enters (``forward`` does; a serving rank checks
+        each row table when the plan that carries it arrives)."""
+        pages = torch.as_tensor(page_table, dtype=torch.long)
+        if pages.dim() != 1:
+            raise ValueError(f"a page table is a list of page ids, not shape {list(pages.shape)}")
+        if pages.numel() and not 0 <= int(pages.min()) <= int(pages.max()) < self.rc.num_pages:
+            bad = pages[(pages < 0) | (pages >= self.rc.num_pages)][0]
+            raise ValueError(f"page id {int(bad)} outside the KV pool [0, {self.rc.num_pages})")
+        return pages
+
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False,
-                capture: dict | None = None, write_kv: bool = True) -> torch.Tensor:
+                capture: dict | None = None, write_kv: bool = True, *,
+                inputs_checked: bool = False) -> torch.Tensor:
         """Run one step. Returns logits [num_seqs, vocab] (last token of each sequence), or
         [num_tokens, vocab] with ``all_logits``.  Fresh sequences (prefix_len 0) start from a
         zeroed state slot.  ``write_kv=False`` reads the cached KV of every position without
-        writing the new tokens' entries (their rows must already be cached)."""
-        self._check_step(seqs, write_kv)
+        writing the new tokens' entries (their rows must already be cached).
+
+        Token ids and page tables are checked first unless ``inputs_checked``: the caller
+        checked them where they entered (a serving rank: the scheduler checks prompts, the
+        sampler only makes ids in the vocabulary, each row table is checked on arrival).
+        What is the step's own (state slots, prefix lengths) is checked every time."""
+        if not inputs_checked:
+            for s in seqs:
+                self.check_tokens(s.token_ids)
+                self.check_page_table(s.page_table)
+        self._check_step(seqs)
         fresh = [s.state_slot for s in seqs if s.prefix_len == 0]
         if fresh:
             self.state.zero(torch.tensor(fresh, device=self.device))
@@ -111,21 +133,19 @@ class ModelRunner:
         ctx = StepContext(batch, self.kv, self.state, capture)
         return self.model(ctx, all_logits=all_logits)
 
-    def _check_step(self, seqs: list[SeqInput], write_kv: bool) -> None:
-        """Reject a step that would read or write outside the pools or let two sequences
-        share a state slot (which would silently mix their states)."""
+    def _check_step(self, seqs: list[SeqInput]) -> None:
+        """Reject a step that would read or write outside the state pool or let two sequences
+        share a state slot (which would silently mix their states); O(num_seqs).  Whether the
+        step's KV rows lie in the tables and write distinct rows ``build_batch`` checks."""
         slots = [s.state_slot for s in seqs]
         if len(set(slots)) != len(slots):
             raise ValueError(f"two sequences in one step share a state slot: {slots}")
         for s in seqs:
-            self.check_tokens(s.token_ids)
             if not 0 < s.state_slot < self.rc.num_state_slots:
                 raise ValueError(f"state slot {s.state_slot} outside [1, "
                                  f"{self.rc.num_state_slots})")
-            pages = torch.as_tensor(s.page_table, dtype=torch.long)
-            if s.prefix_len < 0 or (pages.numel() and not 0 <= int(pages.min()) <= int(
-                    pages.max()) < self.rc.num_pages):
-                raise ValueError("negative prefix length or page id outside the KV pool")
+            if s.prefix_len < 0:
+                raise ValueError(f"negative prefix length {s.prefix_len}")
 
     # State API used by the prefix cache: a request's per-layer (conv, temporal) state.
     def read_state(self, slot: int) -> RequestState:
@@ -163,16 +183,17 @@ class ModelRunner:
         self._pool().store(self.state.temporal, self.state.conv,
                                torch.tensor(active_slots), torch.tensor(ckpt_slots))
 
-    def refresh_omitted(self, seqs: list[SeqInput], scratch_slots: list[int]) -> None:
+    def refresh_omitted(self, seqs: list[SeqInput], scratch_slots: list[int], *,
+                        inputs_checked: bool = False) -> None:
         """dasc-wr: replay each sequence's window (``token_ids`` at ``prefix_len``) from a zero
         scratch state over the read-only cached KV, then copy only the units the plan omits
         from the scratch slot into the sequence's ``state_slot``.  Conv state and retained
-        units keep their restored values."""
+        units keep their restored values.  ``inputs_checked`` as for ``forward``."""
         active = [s.state_slot for s in seqs]
         replay = [SeqInput(s.token_ids, s.prefix_len, s.page_table, scratch)
                   for s, scratch in zip(seqs, scratch_slots)]
         self.zero_state_slots(scratch_slots)
-        self.forward(replay, write_kv=False)
+        self.forward(replay, write_kv=False, inputs_checked=inputs_checked)
         pool = self._pool()
         omitted = pool.index.unit_pos < 0  # [L, U_loc]
         units = pool.unit_view(self.state.temporal)  # [L, S, U_loc, D]

@@ -119,14 +119,18 @@ def measure_prefill_rate(runner: ModelRunner, num_tokens: int) -> float:
     return num_tokens / max(elapsed, 1e-9)
 
 
-def row_tables() -> RowTables:
-    """The rank's copies of the running requests' KV-row tables, as int64 tensors."""
-    return RowTables(lambda rows: torch.tensor(rows, dtype=torch.long))
+def row_tables(runner: ModelRunner) -> RowTables:
+    """The rank's copies of the running requests' KV-row tables, as int64 tensors, each
+    checked against the KV pool once, when the plan that carries it arrives; steps then name
+    only their request, so ``execute`` skips the per-step table checks."""
+    return RowTables(runner.check_page_table)
 
 
 def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables
             ) -> tuple[list[int], list[float]]:
-    """Run one plan in the order BatchPlan documents; rank 0's sampled tokens, logprobs."""
+    """Run one plan in the order BatchPlan documents; rank 0's sampled tokens, logprobs.
+    ``tables`` comes from ``row_tables`` (checked on arrival) and the token ids from the
+    scheduler, which checks every prompt, and the sampler."""
     tables.apply(plan)
 
     def seq(s: SeqStep) -> SeqInput:
@@ -138,11 +142,12 @@ def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables
         ckpt, active = _unzip(plan.loads)
         runner.load_checkpoints(ckpt, active)
     if plan.refresh:
-        runner.refresh_omitted([seq(s) for s in plan.refresh], plan.refresh_scratch)
+        runner.refresh_omitted([seq(s) for s in plan.refresh], plan.refresh_scratch,
+                               inputs_checked=True)
     tokens: list[int] = []
     logprobs: list[float] = []
     if plan.seqs:
-        logits = runner.forward([seq(s) for s in plan.seqs])
+        logits = runner.forward([seq(s) for s in plan.seqs], inputs_checked=True)
         if runner.tp.is_first:
             rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
             if rows:
@@ -158,7 +163,7 @@ def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
 
 
 def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
-    conn, tables = None, row_tables()
+    conn, tables = None, row_tables(runner)
     if tp.is_first:
         conn = ipc.connect(port)
         ipc.send(conn, info)

@@ -78,6 +78,8 @@ class Scheduler:
         self._live: set[str] = set()  # ids of waiting and running requests
         self._step_id = 0
         self._rng = random.Random(0)
+        # checkpoints_stored: every checkpoint the tree took, at a prefill boundary or when a
+        # request finished; minus the cache's num_ckpt_evicted it is always num_cached_ckpts
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "loads_nr": 0, "loads_wr": 0,
                       "refresh_tokens": 0, "checkpoints_stored": 0}
 
@@ -110,21 +112,21 @@ class Scheduler:
                     f"exceeds the limit of {limit} tokens")
         return None
 
-    def abort(self, rid: str) -> TokenOut | None:
-        """Drop a request between steps (no step is in flight when this runs)."""
+    def abort(self, rid: str) -> bool:
+        """Drop a request between steps (no step is in flight when this runs); False if it
+        is not waiting or running.  No frame: the front end stops listening to a request
+        before it asks for the abort."""
         for r in self.waiting:
             if r.rid == rid:
                 self.waiting.remove(r)
                 self._live.discard(rid)
                 r.finish_reason = "abort"
-                return TokenOut(rid, [], finished=True, finish_reason="abort",
-                                prompt_tokens=len(r.prompt))
+                return True
         for r in self.running:
             if r.rid == rid:
                 self._finish(r, "abort")
-                return TokenOut(rid, [], finished=True, finish_reason="abort",
-                                prompt_tokens=len(r.prompt), cached_tokens=r.hit_len)
-        return None
+                return True
+        return False
 
     def flush(self) -> None:
         self.cache.flush()
@@ -250,7 +252,6 @@ class Scheduler:
                 end, ckpt = r.pending_store
                 r.pending_store = None
                 self._cache_prefix(r, end, ckpt)
-                self.stats["checkpoints_stored"] += 1
             if not is_sampled:
                 continue
             token, logprob = next(sampled)
@@ -275,7 +276,9 @@ class Scheduler:
         keeps a lock on the new node and adopts the tree's rows.  False: the tree already had
         a checkpoint there and ``ckpt`` went back to the pool."""
         res = self.cache.insert(r.token_slice(0, end), r.rows[:end], ckpt)
-        if not res.ckpt_taken:
+        if res.ckpt_taken:
+            self.stats["checkpoints_stored"] += 1
+        else:
             self.cache.ckpt_pool.free([ckpt])
         if res.num_existing > r.cached_len:  # someone cached these tokens first: drop ours
             self.cache.kv_pool.free(r.rows[r.cached_len : res.num_existing])

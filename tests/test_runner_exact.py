@@ -107,10 +107,48 @@ def test_bad_steps_are_rejected_before_touching_state(tmp_path):
     bad_steps = {
         "share a state slot": [SeqInput([5, 6], 0, [0], 1), SeqInput([7], 0, [1], 1)],
         "same KV row": [SeqInput([5, 6], 0, [0], 1), SeqInput([7], 0, [0], 2)],
-        "outside": [SeqInput([5], 0, [10_000], 1)],
+        r"page id 10000 outside the KV pool \[0, 256\)": [SeqInput([5], 0, [10_000], 1)],
+        "page id -1 outside": [SeqInput([5], 0, [0, -1], 1)],
         "state slot 0": [SeqInput([5], 0, [0], 0)],
+        "negative prefix length": [SeqInput([5], -1, [0], 1)],
+        "outside the vocabulary": [SeqInput([5, 96], 0, [0], 1)],
     }
     for message, seqs in bad_steps.items():
         with pytest.raises(ValueError, match=message):
             runner.forward(seqs)
     assert torch.equal(runner.state.temporal, before)
+
+
+def test_serving_rank_checks_a_row_table_when_it_arrives(tmp_path):
+    """A rank checks a request's row table once, when the plan that carries it arrives (a plan
+    with no step for the request included), so its steps skip the O(context) table scan; they
+    still sample what ``forward`` computes."""
+    from model_runner.batch import SeqInput
+    from model_runner.runner import ModelRunner, RunnerConfig
+    from model_runner.serve_rank import execute, row_tables
+    from scheduler.messages import BatchPlan, Sample, SeqStep
+
+    def greedy(index: int) -> Sample:
+        return Sample(temperature=0.0, top_p=1.0, top_k=0, seed=0, index=index)
+
+    make_model("gdn", tmp_path)
+    runner = ModelRunner(RunnerConfig(str(tmp_path), num_pages=32, page_size=1,
+                                      num_state_slots=4))
+    tables = row_tables(runner)
+    bad_tables = {"page id 32 outside the KV pool": [3, 32], "page id -1 outside": [-1, 0],
+                  "list of page ids": [[0, 1]]}
+    for message, rows in bad_tables.items():
+        with pytest.raises(ValueError, match=message):
+            execute(runner, BatchPlan(1, tables={"a": rows}), tables)
+        assert len(tables) == 0
+    p = prompts(96, (9,))[0]
+    rows = list(range(31, 21, -1))  # 9 prompt rows, 1 decode row
+    tokens, _ = execute(runner, BatchPlan(2, tables={"a": rows},
+                                          seqs=[SeqStep("a", p, 0, 1, greedy(0))]), tables)
+    assert torch.equal(tables.rows("a"), torch.tensor(rows))
+    expect = runner.forward([SeqInput(p, 0, list(range(9)), 2)]).argmax(-1).tolist()
+    assert tokens == expect
+    step = BatchPlan(3, seqs=[SeqStep("a", tokens, 9, 1, greedy(1))])  # names only its rid
+    decoded, _ = execute(runner, step, tables)
+    expect = runner.forward([SeqInput(tokens, 9, list(range(10)), 2)]).argmax(-1).tolist()
+    assert decoded == expect

@@ -193,6 +193,7 @@ class Loop:
         self.outs: dict[str, list[TokenOut]] = {}
         self.plans: list[BatchPlan] = []
         self.reqs = {}  # rid -> Req, tracked while it is queued or running
+        self.aborted = {}  # rid -> Req that abort() dropped
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, **kw) -> TokenOut | None:
         out = self.s.add(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw))
@@ -203,10 +204,20 @@ class Loop:
         return out
 
     def abort(self, rid: str) -> None:
-        out = self.s.abort(rid)
-        if out is not None:
-            self.outs[rid].append(out)
+        r = self.reqs.get(rid)
+        is_live = r is not None and r.finish_reason is None
+        assert self.s.abort(rid) is is_live
+        if is_live:
+            assert r.finish_reason == "abort"
+            self.aborted[rid] = self.reqs.pop(rid)
         self.s.check_integrity()
+        self.check_ckpt_counter()
+
+    def check_ckpt_counter(self) -> None:
+        """Every checkpoint the tree took was counted: stored - evicted = cached."""
+        s = self.s
+        assert s.stats["checkpoints_stored"] - s.cache.num_ckpt_evicted == \
+            s.cache.num_cached_ckpts
 
     def step(self) -> BatchPlan | None:
         s = self.s
@@ -220,6 +231,7 @@ class Loop:
         tokens = [self.token_fn(q) for q in plan.seqs if q.sample is not None]
         outs = s.process_result(StepResult(plan.step_id, tokens, 0.0, [0.0] * len(tokens)))
         s.check_integrity()
+        self.check_ckpt_counter()
         for o in outs:
             self.outs[o.rid].append(o)
         self.ranks.note_finished([r for r in running if r.finish_reason not in (None, "abort")])
@@ -347,7 +359,10 @@ def test_random_workload(cfg, seed):
             assert len(r.output) == r.sampling.max_tokens and EOS not in r.output
         elif r.finish_reason == "stop":
             assert r.output.index(EOS) == len(r.output) - 1
-    assert reasons >= {"length", "stop"} and len(done) == num_reqs
+    assert reasons >= {"length", "stop"} and len(done) + len(loop.aborted) == num_reqs
+    assert loop.aborted, "the workload aborted nothing"
+    for rid, r in loop.aborted.items():  # no frame ends an aborted stream
+        assert not any(o.finished for o in loop.outs[rid]) and loop.output(rid) == r.output
     stats = loop.ranks
     if s.cfg.prefix_cache:
         assert stats.num_stores > 0
@@ -412,6 +427,24 @@ def test_second_turn_hits_at_the_processed_length_of_the_first():
     processed = len(prompt) + len(out1) - 1  # the last sampled token was never fed
     assert loop.final("t2").cached_tokens == processed
     assert len(plan.loads) == 1 and plan.seqs[0].prefix_len == processed
+    assert_drained(s)
+
+
+def test_every_checkpoint_store_is_counted():
+    """Issue 18: the stores made when a request finishes (prompt + output) went uncounted, so
+    /v1/stats showed fewer checkpoints stored than cached.  With no eviction the counter is
+    the number of slots the ranks wrote and the tree holds."""
+    s = make(num_checkpoint_slots=16, checkpoint_interval=8)
+    loop = Loop(s, random_tokens())
+    prompt = prompt_of(20)
+    run_one(loop, "a", prompt, 4)  # prefill stores at 8, 16, 19; on finish at 23
+    turn2 = prompt + loop.output("a") + prompt_of(5, seed=7)
+    run_one(loop, "b", turn2, 3)  # hit at 23; stores at 24, 28; on finish at 31
+    assert loop.final("b").cached_tokens == 23
+    assert sum(len(p.stores_before) for p in loop.plans) == 2  # the finish stores
+    assert s.cache.num_ckpt_evicted == 0
+    assert s.stats["checkpoints_stored"] == loop.ranks.num_stores == s.cache.num_cached_ckpts \
+        == 7
     assert_drained(s)
 
 
@@ -517,12 +550,11 @@ def test_abort_waiting_and_running_requests():
     loop.add("wait", prompt_of(12, seed=4), 5)
     loop.step()
     assert [r.rid for r in s.running] == ["run"] and [r.rid for r in s.waiting] == ["wait"]
-    waiting = s.waiting[0]
-    loop.abort("wait")
+    loop.abort("wait")  # asserts abort() is True, the request's reason "abort"
     loop.abort("run")
-    assert loop.final("wait").finish_reason == waiting.finish_reason == "abort"
-    assert loop.final("run").finish_reason == "abort"
-    assert s.abort("nobody") is None
+    assert set(loop.aborted) == {"wait", "run"} and not s.running and not s.waiting
+    assert not loop.outs["wait"] and not any(o.finished for o in loop.outs["run"])
+    assert s.abort("nobody") is False and s.abort("run") is False
     assert_drained(s)
 
 
