@@ -1,8 +1,10 @@
 """The front end's side of the scheduler connection.
 
 One reader thread receives ``TokenOut`` / ``FlushCacheDone`` frames and hands them to the event
-loop; each request awaits its own queue.  A request whose consumer goes away (client disconnect,
-stop string matched) is aborted at the scheduler, which frees it after its in-flight step.
+loop; each request awaits its own queue.  One writer thread sends the front end's messages, so
+a scheduler that is slow to read never blocks the event loop (and with it every HTTP request).
+A request whose consumer goes away (client disconnect, stop string matched) is aborted at the
+scheduler, which frees it after its in-flight step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
+from queue import SimpleQueue
 
 from scheduler import ipc
 from scheduler.messages import (
@@ -35,7 +38,7 @@ class EngineClient:
     def __init__(self, conn: Connection, info: ServerInfo,
                  on_lost: Callable[[str], None] | None = None):
         self.conn, self.info, self.on_lost = conn, info, on_lost
-        self._send_lock = threading.Lock()
+        self._outbox: SimpleQueue = SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._waiters: dict[type, list[asyncio.Future]] = {FlushCacheDone: [], Stats: []}
         self._ids = itertools.count()
@@ -45,6 +48,7 @@ class EngineClient:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+        threading.Thread(target=self._write_loop, name="engine-writer", daemon=True).start()
 
     @property
     def num_active(self) -> int:
@@ -90,19 +94,38 @@ class EngineClient:
         return await fut
 
     def _send(self, msg: object) -> None:
+        """Queue ``msg`` for the writer thread, in order; never blocks the event loop."""
         if self.dead is not None:
             raise EngineDead(self.dead)
-        with self._send_lock:
-            ipc.send(self.conn, msg)
+        self._outbox.put(msg)
+
+    def _write_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            try:
+                ipc.send(self.conn, msg)
+            except OSError as e:
+                self._post(self._fail_all, f"lost the scheduler connection ({type(e).__name__})")
+                return
 
     def _read_loop(self) -> None:
-        try:
-            while True:
+        while True:
+            try:
                 msg = ipc.recv(self.conn)
-                self._loop.call_soon_threadsafe(self._dispatch, msg)
-        except (EOFError, OSError) as e:
-            reason = f"lost the scheduler connection ({type(e).__name__})"
-            self._loop.call_soon_threadsafe(self._fail_all, reason)
+            except (EOFError, OSError) as e:
+                self._post(self._fail_all, f"lost the scheduler connection ({type(e).__name__})")
+                return
+            if not self._post(self._dispatch, msg):
+                return
+
+    def _post(self, fn: Callable, *args) -> bool:
+        """Run ``fn(*args)`` on the event loop; False once the loop has closed (the server is
+        stopping: what the scheduler still sends has nobody left to read it)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, TokenOut):
@@ -115,6 +138,8 @@ class EngineClient:
                 fut.set_result(msg)
 
     def _fail_all(self, reason: str) -> None:
+        if self.dead is not None:
+            return
         self.dead = reason
         for queue in self._queues.values():
             queue.put_nowait(EngineDead(reason))

@@ -3,8 +3,14 @@
 Processes: this one runs the front end (uvicorn, FastAPI); ``python -m scheduler`` owns the
 queue, the radix cache and the pools; ``torchrun ... -m model_runner.serve_rank`` runs the T
 ranks (one plain process at T = 1).  Connections are loopback TCP with a per-launch secret.
-Any child that dies ends the server with a non-zero exit and a message naming it; SIGINT or
-SIGTERM stops everything.
+Start-up failures end the server at once with one ``error:`` line and a non-zero exit: bad
+flags, a port that is taken (the HTTP port is bound before any model loads), a missing CUDA
+device, a child that dies before the server is ready.  The children's own ``error:`` lines are
+held back and folded into that one line; the rest of their stderr passes through.
+
+SIGINT (Ctrl-C) and SIGTERM stop the server quietly with exit 0: in-flight requests finish,
+then the scheduler stops the ranks.  The children start with SIGINT ignored, so a Ctrl-C in
+the terminal, which reaches the whole process group, is handled by this process alone.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -90,11 +97,81 @@ def validate(args: argparse.Namespace) -> None:
     for name in ("checkpoint_interval", "wmax"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
+    for flag, port in (("--port", args.port), ("--master-port", args.master_port)):
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{flag} must lie in [1, 65535] (got {port})")
+    check_device(args)
     if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
         raise ValueError("--checkpoint-slots must be at least 1")
     if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
                          f"--node-rank must lie in [0, {args.nnodes})")
+
+
+def check_device(args: argparse.Namespace) -> None:
+    if args.device == "cpu":
+        return
+    if args.device != "cuda":
+        raise ValueError(f"--device must be cpu or cuda (got {args.device!r})")
+    import torch
+
+    need, have = args.tp // args.nnodes, torch.cuda.device_count()
+    if have < need:
+        raise ValueError(f"--device cuda needs {need} CUDA device(s) on this node, "
+                         f"{have} visible")
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """Claim the HTTP port before any model loads; uvicorn listens on it once ready."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class ChildErrors:
+    """Relays the children's stderr, holding back their one-line ``error:`` messages: the
+    launcher prints a single error line of its own, naming the first of them."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self._threads: list[threading.Thread] = []
+
+    def relay(self, proc: subprocess.Popen) -> subprocess.Popen:
+        t = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
+        t.start()
+        self._threads.append(t)
+        return proc
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            if line.startswith("error: "):
+                self.lines.append(line[len("error: "):].rstrip())
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    def explain(self, what: str) -> str:
+        """``what`` went wrong, with the first child's own message (once its stream ends)."""
+        for t in self._threads:
+            t.join(timeout=2.0)
+        return f"{what}: {self.lines[0]}" if self.lines else what
+
+
+def _spawn(cmd: list[str], env: dict[str, str], errors: ChildErrors) -> subprocess.Popen:
+    """Start a child with SIGINT ignored (inherited through exec; Python keeps it ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True,
+                                errors="replace", bufsize=1)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return errors.relay(proc)
 
 
 def _pass(args: argparse.Namespace, flags: tuple[str, ...], switches: tuple[str, ...]
@@ -107,7 +184,8 @@ def _pass(args: argparse.Namespace, flags: tuple[str, ...], switches: tuple[str,
     return out + [s for s in switches if getattr(args, s[2:].replace("-", "_"))]
 
 
-def start_children(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
+def start_children(args: argparse.Namespace, errors: ChildErrors
+                   ) -> dict[str, subprocess.Popen]:
     rank_port, front_port = ipc.free_port(), ipc.free_port()
     args.frontend_port = front_port
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -123,9 +201,11 @@ def start_children(args: argparse.Namespace) -> dict[str, subprocess.Popen]:
                  *_pass(args, RANK_FLAGS, RANK_SWITCHES)]
     ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", *rank_args]
     if args.node_rank > 0:
-        return {"ranks": subprocess.Popen(ranks, env=env)}
-    return {"scheduler": subprocess.Popen(sched, env=env),
-            "ranks": subprocess.Popen(ranks, env=env)}
+        return {"ranks": _spawn(ranks, env, errors)}
+    return {"scheduler": _spawn(sched, env, errors), "ranks": _spawn(ranks, env, errors)}
+
+
+TORCHRUN = "model_runner.quiet_torchrun"  # torchrun, quiet when the ranks stop or fail
 
 
 def torchrun_args(args: argparse.Namespace) -> list[str]:
@@ -133,16 +213,26 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     if args.tp == 1:
         return []
     if args.nnodes == 1:
-        return ["torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}", "-m"]
-    return ["torch.distributed.run", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+        return [TORCHRUN, "--standalone", f"--nproc-per-node={args.tp}", "-m"]
+    return [TORCHRUN, f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
             f"--nproc-per-node={args.tp // args.nnodes}", f"--master-addr={args.master_addr}",
             f"--master-port={args.master_port}", "-m"]
 
 
 def wait_ready(args: argparse.Namespace, children: dict[str, subprocess.Popen]):
     """Connect to the scheduler and wait for its ServerInfo, failing fast if a child dies."""
-    conn = ipc.connect(args.frontend_port, timeout=30)
     deadline = time.monotonic() + args.startup_timeout
+    conn = None
+    while conn is None:
+        dead = _dead_child(children)
+        if dead:
+            raise RuntimeError(f"{dead} before the server was ready")
+        try:
+            conn = ipc.connect(args.frontend_port, timeout=0.5)
+        except RuntimeError:  # not listening yet
+            if time.monotonic() > deadline:
+                raise RuntimeError("the scheduler did not start within "
+                                   f"{args.startup_timeout:.0f} s") from None
     while not conn.poll(0.2):
         dead = _dead_child(children)
         if dead:
@@ -165,12 +255,14 @@ def _dead_child(children: dict[str, subprocess.Popen]) -> str | None:
 
 
 def stop_children(children: dict[str, subprocess.Popen], conn) -> None:
+    """With a scheduler connection, ask the scheduler to stop the ranks (10 s); without one
+    (still starting), terminate at once."""
     if conn is not None:
         try:
             ipc.send(conn, Shutdown())
         except OSError:
             pass
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + (10 if conn is not None else 0)
     for proc in children.values():
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -193,7 +285,8 @@ def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
 
 
 def serve(args: argparse.Namespace, conn, info: ServerInfo,
-          children: dict[str, subprocess.Popen]) -> int:
+          children: dict[str, subprocess.Popen], sock: socket.socket) -> str | None:
+    """Run the front end on ``sock`` until a signal (None) or a failure (its message)."""
     from dasc_server.app import FrontEndOptions, create_app
     from dasc_server.engine_client import EngineClient
     from model_runner.generate import load_tokenizer
@@ -203,7 +296,7 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
     options = FrontEndOptions(args.api_key, args.max_request_bytes, args.max_queued_requests)
     app = create_app(engine, load_tokenizer(Path(args.model)), name, options)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    server = _Server(uvicorn.Config(app, log_level="warning",
                                     timeout_graceful_shutdown=args.shutdown_timeout))
 
     def watch() -> None:
@@ -216,7 +309,7 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     async def run() -> None:
         engine.start(asyncio.get_running_loop())
         threading.Thread(target=watch, name="child-watch", daemon=True).start()
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
@@ -224,10 +317,7 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
         await task
 
     asyncio.run(run())
-    if failure:
-        print(f"error: {failure[0]}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return failure[0] if failure else None
 
 
 class _Server(uvicorn.Server):
@@ -243,7 +333,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM before the front end runs: unwind through stop_children
 
 
-def run_worker_node(ranks: subprocess.Popen) -> int:
+def run_worker_node(ranks: subprocess.Popen, errors: ChildErrors) -> int:
     """A node other than 0 only hosts ranks; they end when node 0's scheduler stops them."""
     print(f"dasc-serve worker node: ranks started (pid {ranks.pid})", flush=True)
     try:
@@ -252,7 +342,8 @@ def run_worker_node(ranks: subprocess.Popen) -> int:
         stop_children({"ranks": ranks}, None)
         return 0
     if code != 0:
-        print(f"error: the rank processes exited with code {code}", file=sys.stderr)
+        print(f"error: {errors.explain(f'the rank processes exited with code {code}')}",
+              file=sys.stderr)
     return code
 
 
@@ -266,24 +357,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         validate(args)
+        sock = bind_http(args.host, args.port) if args.node_rank == 0 else None
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
-    children = start_children(args)
+    errors = ChildErrors()
+    children = start_children(args, errors)
     if args.node_rank > 0:
-        return run_worker_node(children["ranks"])
-    conn = None
+        return run_worker_node(children["ranks"], errors)
+    conn = failure = None
     try:
         conn, info = wait_ready(args, children)
-        return serve(args, conn, info, children)
+        failure = serve(args, conn, info, children, sock)
     except (RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        failure = str(e)
     except KeyboardInterrupt:
-        return 0
+        pass
     finally:
         stop_children(children, conn)
+    if failure:
+        print(f"error: {errors.explain(failure)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 ``running_server(*flags)`` starts ``python -m dasc_server.launch --port <free> *flags`` in a new
 session, waits for its ready line and ``/health``, yields a ``Server`` and, whatever happens,
-kills the whole process group (launcher, scheduler, torchrun, ranks) on exit.
+kills every process it started on exit: the launcher's process group (launcher, scheduler,
+torchrun) and the ranks, which torchrun starts in sessions of their own.
 """
 
 from __future__ import annotations
@@ -85,9 +86,28 @@ def _wait_ready(server: Server, timeout: float) -> None:
     raise RuntimeError(f"dasc-serve not ready after {timeout:.0f} s:\n{server.log()[-4000:]}")
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), from /proc."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the launcher (it stops its children in order, as for a user's stop), then
-    SIGKILL whatever is left of its process group."""
+    SIGKILL whatever is left of its process group and of the processes it started."""
+    below = descendants(proc.pid)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -98,4 +118,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()

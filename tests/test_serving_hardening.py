@@ -160,7 +160,7 @@ def test_sigterm_lets_a_stream_in_flight_finish():
 
 def test_rank_killed_mid_stream_ends_the_stream_and_the_server():
     with running_server("--model", str(KIMI), "--tp", "2") as server:
-        torchrun = children_running(server.proc.pid, "torch.distributed.run")[0]
+        torchrun = children_running(server.proc.pid, "quiet_torchrun")[0]
         victim = children_of(torchrun)[-1]
         body = {"prompt": [65, 66, 67], "max_tokens": 400, "stream": True, "ignore_eos": True}
         lines = []

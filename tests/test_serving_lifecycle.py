@@ -1,16 +1,21 @@
-"""dasc-serve as one command: SIGTERM stops every process it started; a rank that dies ends
-the server with a non-zero exit naming the ranks; bad arguments fail before anything starts."""
+"""dasc-serve as one command: SIGTERM and Ctrl-C stop every process it started, quietly; a
+child that dies ends the server with a non-zero exit and one error line naming it; bad
+arguments and taken ports fail before any model loads (issue 18)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 from serving import KIMI, running_server
+
+from dasc_server.spawn import descendants
+from scheduler.ipc import free_port
 
 
 def group_alive(pgid: int) -> bool:
@@ -46,13 +51,96 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> int:
         pytest.fail(f"dasc-serve still running after {timeout} s")
 
 
+def wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}")]
+        if not alive:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"processes {alive} outlived dasc-serve")
+
+
+def assert_quiet(log: str) -> None:
+    assert "Traceback" not in log and "Exception" not in log and "error" not in log, log
+
+
+def run_launcher(*flags: str, timeout: float = 90.0) -> tuple[int, str, float]:
+    """Run dasc-serve to its end in a session of its own: (exit code, output, seconds); it
+    fails the test if dasc-serve hangs or leaves a process behind."""
+    cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(KIMI), *flags]
+    if "--port" not in flags:
+        cmd += ["--port", str(free_port())]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"dasc-serve {' '.join(flags)} still running after {timeout} s")
+    wait_group_gone(proc.pid)
+    return proc.returncode, out, time.monotonic() - started
+
+
+def the_error(out: str) -> str:
+    """The one ``error:`` line of a failed start, with no traceback around it."""
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out, out
+    return errors[0]
+
+
 def test_sigterm_stops_every_process_and_exits_zero():
     with running_server("--model", str(KIMI), "--tp", "2") as server:
         assert server.complete([65, 66, 67], max_tokens=2)["choices"][0]["token_ids"]
         assert len(children_of(server.proc.pid)) == 2  # scheduler + torchrun
+        below = descendants(server.proc.pid)
+        assert len(below) == 4  # + the two ranks
         server.proc.send_signal(signal.SIGTERM)  # the launcher only, not its group
         assert wait_exit(server.proc, 20) == 0
         wait_group_gone(server.proc.pid)
+        wait_gone(below)
+        assert_quiet(server.log().split("\n", 1)[1])  # all but the ready line
+
+
+@pytest.mark.parametrize("tp, sig", [(1, signal.SIGINT), (2, signal.SIGINT),
+                                     (1, signal.SIGTERM)])
+def test_ctrl_c_and_sigterm_stop_quietly(tp, sig):
+    """A terminal's Ctrl-C reaches the whole process group; SIGTERM (as from ``kill``) the
+    launcher only.  Either way: exit 0, no traceback, no process left."""
+    with running_server("--model", str(KIMI), "--tp", str(tp)) as server:
+        assert server.complete([65, 66, 67], max_tokens=2)["choices"][0]["token_ids"]
+        below = descendants(server.proc.pid)
+        if sig == signal.SIGINT:
+            os.killpg(server.proc.pid, sig)
+        else:
+            server.proc.send_signal(sig)
+        assert wait_exit(server.proc, 30) == 0
+        wait_gone(below)
+        assert_quiet(server.log().split("\n", 1)[1])
+
+
+def test_ctrl_c_while_the_model_loads_stops_quietly():
+    cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(KIMI), "--tp", "2",
+           "--port", str(free_port())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 60
+        while len(descendants(proc.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until both ranks exist (they are still importing or loading)
+        below = descendants(proc.pid)
+        assert len(below) == 4
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0
+    assert_quiet(out)
+    wait_gone(below)
 
 
 def test_a_dead_rank_ends_the_server_with_an_error():
@@ -69,23 +157,57 @@ def test_a_dead_rank_ends_the_server_with_an_error():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_rank_failing_at_start_up_ends_the_server(tp):
-    """A rank that fails before it connects (here: a budget that holds no checkpoint slot) must
-    end dasc-serve with an error and a non-zero exit, not leave it waiting (issue 18)."""
-    from scheduler.ipc import free_port
+    """A rank that fails before it connects (here: a budget that holds no checkpoint slot) ends
+    dasc-serve with one error line naming the cause, not a wait (issue 18)."""
+    code, out, seconds = run_launcher("--tp", str(tp), "--state-budget-bytes", "100")
+    assert code == 1 and seconds < 60
+    error = the_error(out)
+    assert "the rank processes exited" in error and "holds no checkpoint slot" in error
 
-    cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(KIMI), "--tp", str(tp),
-           "--port", str(free_port()), "--state-budget-bytes", "100"]
+
+def test_a_scheduler_failing_at_start_up_ends_the_server():
+    cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(KIMI), "--port",
+           str(free_port())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        out, _ = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("dasc-serve hung after a rank failed at start-up")
-    assert proc.returncode != 0
-    assert "holds no checkpoint slot" in out and "error: the rank processes exited" in out
-    wait_group_gone(proc.pid)
+        deadline = time.monotonic() + 30
+        while not children_running(proc.pid, "-m\0scheduler") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        below = descendants(proc.pid)
+        os.kill(children_running(proc.pid, "-m\0scheduler")[0], signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1 and time.monotonic() - killed < 10
+    assert the_error(out) == "error: the scheduler exited with code -9 before the server was " \
+                             "ready"
+    wait_gone(below)
+
+
+def test_a_busy_or_invalid_port_fails_before_any_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, seconds = run_launcher("--port", str(port))
+    assert code == 2 and seconds < 15  # no child started: the port is bound first
+    assert the_error(out) == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    code, out, _ = run_launcher("--port", "70000")
+    assert code == 2 and the_error(out) == "error: --port must lie in [1, 65535] (got 70000)"
+
+
+def test_a_missing_cuda_device_fails_before_anything_starts():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible here")
+    code, out, seconds = run_launcher("--device", "cuda")
+    assert code == 2 and seconds < 15
+    assert the_error(out) == "error: --device cuda needs 1 CUDA device(s) on this node, 0 visible"
 
 
 def test_a_dead_scheduler_ends_the_server_and_its_ranks():
