@@ -301,3 +301,53 @@ def test_check_prompt():
         with pytest.raises(RequestError) as info:
             check_prompt(ids, max_tokens, **limits)
         assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_sends_to_a_scheduler_that_does_not_read_never_block_the_event_loop(monkeypatch):
+    """The front end's messages go out on a writer thread (issue 18): with a scheduler that
+    reads nothing, so that the socket buffers fill, the event loop still runs on time."""
+    import asyncio
+    import threading
+    import time
+
+    from dasc_server.engine_client import EngineClient
+    from scheduler import ipc
+    from scheduler.messages import SamplingParams
+
+    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
+    port = ipc.free_port()
+    listener = ipc.listen(port)
+    accepted: list = []
+    acceptor = threading.Thread(target=lambda: accepted.append(ipc.accept(listener)))
+    acceptor.start()
+    conn = ipc.connect(port)
+    acceptor.join(10)
+    scheduler_end = accepted[0]  # never read from
+    engine = EngineClient(conn, info=None)
+    lags: list[float] = []
+
+    async def main() -> None:
+        engine.start(asyncio.get_running_loop())
+        prompt = list(range(100_000))  # ~0.5 MB a request: 16 of them fill any socket buffer
+        streams = [engine.generate(f"r{i}", prompt, SamplingParams()) for i in range(16)]
+        waits = [asyncio.create_task(anext(s)) for s in streams]
+        for _ in range(20):
+            started = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - started - 0.01)
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+    loop_thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    loop_thread.start()
+    loop_thread.join(20)
+    blocked = loop_thread.is_alive()
+    scheduler_end.close()  # the writer (or, before, the blocked loop) then fails and ends
+    for t in threading.enumerate():
+        if t.name == "engine-writer":
+            t.join(10)
+    conn.close()
+    listener.close()
+    assert not blocked, "the event loop blocked writing to the scheduler"
+    assert len(lags) == 20 and sorted(lags)[10] < 0.1
