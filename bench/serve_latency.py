@@ -1,15 +1,18 @@
-"""Serving latency on a real dasc-serve: TTFT of a prefix hit vs a miss, and the scheduler's and
-IPC's share of a decode step.
+"""Serving latency on a real dasc-serve: TTFT of a prefix hit vs a miss, the scheduler's and
+IPC's share of a decode step, and the gaps between a stream's frames.
 
     python bench/serve_latency.py [--model DIR] [--tp 1 2] [--prefix-len 2048] [--suffix-len 32]
                                   [--reps 5] [--batch 8] [--decode-tokens 64]
-                                  [--decode-prompt-len 64]
+                                  [--decode-prompt-len 64] [--gap-streams 8] [--gap-tokens 32]
 
 TTFT is measured client-side, from sending the request to the first SSE frame with text.  A miss
 is prefix_i + suffix_a on a flushed cache; the hit is prefix_i + suffix_b right after it (the
 prefix checkpoint sits on the --checkpoint-interval grid).  The decode share comes from the
 scheduler's own clock: 1 - (rank 0's step time) / (scheduler's whole step: plan, IPC, ranks,
-results), over a window where ``--batch`` requests decode together.
+results), over a window where ``--batch`` requests decode together.  Frame gaps: ``--gap-streams``
+streams one after another, each ``--gap-tokens`` long; a gap is the time between two token
+frames arriving, the first excluded (that is TTFT).  Frames held back and then released
+together show as a long second gap and a share of gaps under 0.2 ms ("burst").
 """
 
 from __future__ import annotations
@@ -94,6 +97,28 @@ def decode_share(server, args) -> dict:
             "scheduler_ipc_share": round(1 - compute_s / step_s, 3)}
 
 
+def frame_gaps(server, args) -> dict:
+    rng = random.Random(2)
+    gaps, second = [], []
+    for _ in range(args.gap_streams):
+        body = {"prompt": text_ids(rng, 64), "max_tokens": args.gap_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True, "return_token_ids": True}
+        arrivals = []
+        with HTTP.stream("POST", f"{server.base_url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"token_ids":[' in line.replace(" ", ""):
+                    arrivals.append(time.perf_counter())
+        steps = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:])]
+        gaps += steps
+        second.append(steps[0])
+    gaps.sort()
+    return {"gap_median_ms": round(statistics.median(gaps), 2),
+            "gap_p99_ms": round(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2),
+            "second_token_gap_median_ms": round(statistics.median(second), 2),
+            "burst_share": round(sum(g < 0.2 for g in gaps) / len(gaps), 3)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -105,13 +130,16 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--decode-prompt-len", type=int, default=64,
                    help="prompt length of the decode-share requests (their context)")
+    p.add_argument("--gap-streams", type=int, default=8, help="streams timed for frame gaps")
+    p.add_argument("--gap-tokens", type=int, default=32, help="tokens in each of those streams")
     p.add_argument("--serve-args", default="",
                    help="extra dasc-serve flags, e.g. '--device cuda' (one string)")
     args = p.parse_args()
     for tp in args.tp:
         with running_server("--model", args.model, "--tp", str(tp),
                             *args.serve_args.split()) as server:
-            row = {"tp": tp, **hit_vs_miss(server, args), **decode_share(server, args)}
+            row = {"tp": tp, **hit_vs_miss(server, args), **decode_share(server, args),
+                   **frame_gaps(server, args)}
         print(json.dumps(row), flush=True)
     return 0
 
