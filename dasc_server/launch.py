@@ -26,8 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-import uvicorn
-
+from client.cli_help import DefaultsHelpFormatter
 from model_runner.rank_args import add_rank_args
 from scheduler import ipc
 from scheduler.__main__ import add_scheduler_args
@@ -44,39 +43,48 @@ SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefil
 SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """dasc-serve's flags; declaring them imports no torch, so ``--help`` is instant."""
     p = argparse.ArgumentParser(
-        prog="dasc-serve",
+        prog="dasc-serve", formatter_class=DefaultsHelpFormatter,
         description="Serve a Qwen3-Next or Kimi-Linear checkpoint with an OpenAI-compatible API "
                     "and a prefix cache of compressed (dasc) recurrent-state checkpoints.")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="folder with config.json and *.safetensors (default: the built-in tiny "
-                        "Kimi-Linear model)")
+                        "Kimi-Linear model, %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the folder name)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds to wait for the ranks to load the model")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let in-flight requests finish")
-    p.add_argument("--api-key", default=os.environ.get("DASC_API_KEY"),
+    p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $DASC_API_KEY; none)")
+                        "(default: $DASC_API_KEY if set, else no key)")
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies get 413")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond --max-running-requests; more get 503")
     g = p.add_argument_group("multi-node (passed to torchrun; node 0 runs the front end and "
                              "the scheduler, other nodes only their ranks)")
-    g.add_argument("--nnodes", type=int, default=1)
-    g.add_argument("--node-rank", type=int, default=0)
-    g.add_argument("--master-addr", default="127.0.0.1")
-    g.add_argument("--master-port", type=int, default=29500)
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for torchrun")
+    g.add_argument("--master-port", type=int, default=29500, help="node 0's torchrun port")
     add_rank_args(p)
     add_scheduler_args(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.api_key is None:  # read here, so that --help never prints the key
+        args.api_key = os.environ.get("DASC_API_KEY")
+    return args
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -287,6 +295,8 @@ def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
 def serve(args: argparse.Namespace, conn, info: ServerInfo,
           children: dict[str, subprocess.Popen], sock: socket.socket) -> str | None:
     """Run the front end on ``sock`` until a signal (None) or a failure (its message)."""
+    import uvicorn
+
     from dasc_server.app import FrontEndOptions, create_app
     from dasc_server.engine_client import EngineClient
     from model_runner.generate import load_tokenizer
@@ -296,8 +306,17 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
     options = FrontEndOptions(args.api_key, args.max_request_bytes, args.max_queued_requests)
     app = create_app(engine, load_tokenizer(Path(args.model)), name, options)
-    server = _Server(uvicorn.Config(app, log_level="warning",
-                                    timeout_graceful_shutdown=args.shutdown_timeout))
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a caught SIGINT/SIGTERM once it has shut down, which would kill
+        this process before it stops the scheduler and the ranks; here a signal is a normal
+        stop."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    server = Server(uvicorn.Config(app, log_level="warning",
+                                   timeout_graceful_shutdown=args.shutdown_timeout))
 
     def watch() -> None:
         while not server.should_exit:
@@ -318,15 +337,6 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
 
     asyncio.run(run())
     return failure[0] if failure else None
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises a caught SIGINT/SIGTERM once it has shut down, which would kill this
-    process before it stops the scheduler and the ranks; here a signal is a normal stop."""
-
-    def handle_exit(self, sig, frame) -> None:
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
 
 
 def _interrupt(signum, frame) -> None:

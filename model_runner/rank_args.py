@@ -8,7 +8,9 @@ import argparse
 def add_rank_args(p: argparse.ArgumentParser) -> None:
     """Flags the ranks need; ``dasc-serve`` declares the same ones and passes them through."""
     g = p.add_argument_group("model and checkpoints (ranks)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations (bfloat16 is emulated, so slower, on CPUs "
+                        "without native bf16)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="on cuda, run decode steps eagerly instead of replaying CUDA graphs")
@@ -21,7 +23,7 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
                         "context bucket (powers of two from 256) up to it are captured at "
                         "start-up, longer contexts decode eagerly (default: 4096)")
     g.add_argument("--wmax", type=float, default=0.0,
-                   help="W_max of the selection plan; 0 = dense checkpoints (default)")
+                   help="W_max of the selection plan (0: dense checkpoints)")
     g.add_argument("--load-policy", choices=["nr", "wr"], default="nr",
                    help="on a hit: zero-fill omitted units (nr) or refresh them by replaying "
                         "the last W_wr cached tokens (wr)")
@@ -34,6 +36,6 @@ def add_rank_args(p: argparse.ArgumentParser) -> None:
     size = g.add_mutually_exclusive_group()
     size.add_argument("--state-budget-bytes", type=int, default=None,
                       help="checkpoint memory per rank; slots = floor(B / worst-rank bytes per "
-                           "slot) - 1 (paper eq. 8)")
+                           "slot) - 1 (paper eq. 8) (default: --checkpoint-slots)")
     size.add_argument("--checkpoint-slots", type=int, default=None,
                       help="number of checkpoint slots (default: 64)")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from client.__main__ import build_parser as client_parser
+from dasc_server.launch import build_parser as serve_parser
 from loadgen.bench.cli import build_parser as bench_parser
 from loadgen.cli import build_parser as loadgen_parser
 from loadgen.offline_eval import build_parser as eval_parser
@@ -32,7 +33,7 @@ BUILDERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "python -m client": client_parser, "dasc-loadgen": loadgen_parser,
     "dasc-bench": bench_parser, "dasc-eval": eval_parser, "dasc-eval report": report_parser,
     "dasc-eval study": study_parser, "python -m loadgen.table1b": table1b_parser,
-    "dasc-plan": plan_parser, "dasc-generate": generate_parser,
+    "dasc-plan": plan_parser, "dasc-generate": generate_parser, "dasc-serve": serve_parser,
 }
 
 
@@ -154,3 +155,14 @@ def test_plan_plot_has_integer_ticks_on_integer_axes() -> None:
             assert all(float(t).is_integer() for t in ticks), (name, ticks)
     finally:
         plt.close(fig)
+
+
+def test_dasc_serve_help_imports_no_torch() -> None:
+    """Declaring dasc-serve's flags (its own, the ranks', the scheduler's) must not import
+    torch, which takes seconds (issue 18: ``--help`` took 3 s)."""
+    code = ("import sys; from dasc_server.launch import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("False False"), out
