@@ -21,6 +21,7 @@ import time
 import torch
 
 from model_runner.batch import SeqInput
+from model_runner.cpu_features import cpu_has_native_bf16
 from model_runner.generate import DEFAULT_MODEL
 from model_runner.parallel import init_tp_group, shutdown_tp_group
 from model_runner.runner import ModelRunner, RunnerConfig
@@ -100,13 +101,6 @@ def main() -> None:
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
                decode_path=decode_path, step_ms=1000 * statistics.median(steps))
     shutdown_tp_group(tp)
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without either, oneDNN emulates bf16 GEMMs (6x slower than fp32 on
-    the AVX2 machines measured in docs/results/runner.md)."""
-    caps = torch.cpu.get_capabilities()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def sync(device: torch.device) -> None:

@@ -25,6 +25,7 @@ from model_runner.compression.placement import placement_head_order
 from model_runner.compression.plan import ModelIdentity, SelectionPlan, dasc_plan, random_plan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
+from model_runner.cpu_features import emulated_bf16_note
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
 from model_runner.rank_args import add_rank_args
 from model_runner.runner import ModelRunner, RunnerConfig
@@ -201,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = p.parse_known_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = os.environ.get("RANK", "0")
+    note = emulated_bf16_note(args.device, args.dtype)
+    if note and rank == "0":
+        print(note, file=sys.stderr, flush=True)
     try:
         runner, tp, info = start(args)
         with torch.inference_mode():

@@ -158,11 +158,16 @@ def test_a_dead_rank_ends_the_server_with_an_error():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_rank_failing_at_start_up_ends_the_server(tp):
     """A rank that fails before it connects (here: a budget that holds no checkpoint slot) ends
-    dasc-serve with one error line naming the cause, not a wait (issue 18)."""
-    code, out, seconds = run_launcher("--tp", str(tp), "--state-budget-bytes", "100")
+    dasc-serve with one error line naming the cause, not a wait (issue 18).  The ranks' other
+    lines pass through: in bf16 on a CPU that emulates it, rank 0's note says so."""
+    from model_runner.cpu_features import cpu_has_native_bf16
+
+    code, out, seconds = run_launcher("--tp", str(tp), "--state-budget-bytes", "100",
+                                      "--dtype", "bfloat16")
     assert code == 1 and seconds < 60
     error = the_error(out)
     assert "the rank processes exited" in error and "holds no checkpoint slot" in error
+    assert out.count("note: bfloat16 is emulated") == (0 if cpu_has_native_bf16() else 1)
 
 
 def test_a_scheduler_failing_at_start_up_ends_the_server():

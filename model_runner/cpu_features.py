@@ -1,0 +1,20 @@
+"""What this CPU does natively, where it changes which dtype is fast."""
+
+from __future__ import annotations
+
+import torch
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without either, oneDNN emulates bf16 GEMMs (6x slower than fp32 on
+    the AVX2 machines measured in docs/results/runner.md)."""
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def emulated_bf16_note(device: str, dtype: str) -> str | None:
+    """A one-line note for a user who asked for bf16 on a CPU that only emulates it."""
+    if device != "cpu" or dtype != "bfloat16" or cpu_has_native_bf16():
+        return None
+    return ("note: bfloat16 is emulated on this CPU (no AVX512-BF16, no AMX): its GEMMs run "
+            "several times slower than float32 here; --dtype float32 is faster on this machine")
