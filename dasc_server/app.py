@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dasc_server.chat import chat_prompt_ids
 from dasc_server.engine_client import EngineClient, EngineDead
@@ -40,9 +41,11 @@ from dasc_server.protocol import (
     RequestError,
     check_model,
     check_prompt,
+    error_body,
     validation_error_body,
 )
 from dasc_server.responses import (
+    Choice,
     Job,
     complete_body,
     engine_down,
@@ -53,6 +56,12 @@ from scheduler.messages import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+
+
+def sample_seed(seed: int | None, sample_index: int) -> int | None:
+    """Sample j of a prompt draws with ``seed + j`` (mod 2**63), so sample 0 repeats the n=1
+    request with that seed; no seed: the scheduler draws one per sample."""
+    return None if seed is None else (seed + sample_index) % 2**63
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,48 +94,86 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
     async def _refused(_: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing errors as OpenAI words them: ``Invalid URL (POST /v1/responses)``."""
+        where = f"({request.method} {request.url.path})"
+        if exc.status_code == 404:
+            message = f"Invalid URL {where}"
+        elif exc.status_code == 405:
+            message = f"Method not allowed {where}"
+        else:
+            message = f"{exc.detail} {where}"
+        return JSONResponse(error_body(message), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _crashed(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       type="server_error"), status_code=500)
+
+    def prompt_batch(req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """Each prompt's token ids (a chat request is one prompt)."""
+        if isinstance(req, ChatCompletionRequest):
+            return [chat_prompt_ids(tokenizer, req.messages)]
+        return [list(tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str)
+                else list(p) for p in req.prompts]
+
     def prepare(req: CompletionRequest | ChatCompletionRequest) -> Job:
         check_model(req.model, model_name)
         if engine.dead is not None:
             raise engine_down(engine.dead)
         is_chat = isinstance(req, ChatCompletionRequest)
         param = "messages" if is_chat else "prompt"
-        needs_text = is_chat or isinstance(req.prompt, str) or bool(req.stop_strings)
+        prompts = [] if is_chat else req.prompts
+        needs_text = is_chat or any(isinstance(p, str) for p in prompts) or bool(req.stop_strings)
         if needs_text and tokenizer is None:
             raise RequestError("the model folder has no tokenizer: send the prompt as token ids "
                                "and no stop strings", param="stop" if req.stop_strings else param)
-        if is_chat:
-            prompt_ids = chat_prompt_ids(tokenizer, req.messages)
-        elif isinstance(req.prompt, str):
-            prompt_ids = list(tokenizer.encode(req.prompt, add_special_tokens=False))
-        else:
-            prompt_ids = list(req.prompt)
+        num_prompts = 1 if is_chat else len(prompts)
+        if num_prompts * req.n > max_in_flight:
+            raise RequestError(
+                f"{num_prompts} prompt(s) x n={req.n} = {num_prompts * req.n} choices; at most "
+                f"{max_in_flight} (--max-running-requests + --max-queued-requests)",
+                param="n" if req.n > 1 else "prompt")
         info = engine.info
-        max_tokens = check_prompt(prompt_ids, req.requested_max_tokens, param=param,
-                                  vocab_size=info.vocab_size,
-                                  max_context_len=info.max_context_len)
         stop_token_ids = list(req.stop_token_ids or [])
         if any(not 0 <= t < info.vocab_size for t in stop_token_ids):
             raise RequestError(f"stop_token_ids must lie in [0, {info.vocab_size})",
                                param="stop_token_ids")
-        sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=max(req.top_k, 0), seed=req.seed, stop_token_ids=stop_token_ids,
-            ignore_eos=req.ignore_eos)
-        return Job(is_chat=is_chat, rid=engine.new_rid(), model=model_name,
-                    prompt_ids=prompt_ids, sampling=sampling, stop=req.stop_strings,
-                    return_token_ids=req.return_token_ids or tokenizer is None,
-                    include_usage=req.include_usage, created=int(time.time()),
-                    metrics=metrics, arrived=time.perf_counter(),
-                    logprobs=not is_chat and req.logprobs is not None)
+        choices = []
+        for prompt_index, prompt_ids in enumerate(prompt_batch(req)):
+            try:
+                max_tokens = check_prompt(prompt_ids, req.requested_max_tokens, param=param,
+                                          vocab_size=info.vocab_size,
+                                          max_context_len=info.max_context_len,
+                                          max_total_tokens=info.max_total_tokens)
+            except RequestError as e:
+                if num_prompts > 1:
+                    e.message = f"prompt {prompt_index}: {e.message}"
+                raise
+            for sample_index in range(req.n):
+                sampling = SamplingParams(
+                    max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    top_k=max(req.top_k, 0), seed=sample_seed(req.seed, sample_index),
+                    stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos)
+                choices.append(Choice(prompt_index * req.n + sample_index, prompt_index,
+                                      sample_index, engine.new_rid(), prompt_ids, sampling))
+        return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,
+                   stop=req.stop_strings,
+                   return_token_ids=req.return_token_ids or tokenizer is None,
+                   include_usage=req.include_usage, created=int(time.time()),
+                   metrics=metrics, arrived=time.perf_counter(),
+                   logprobs=not is_chat and req.logprobs is not None,
+                   share_prompts=info.prefix_cache)
 
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request
                     ) -> Response:
-        if engine.num_active >= max_in_flight:
+        job = prepare(req)
+        if engine.num_active + len(job.choices) > max_in_flight:
             raise RequestError(f"the server is at capacity ({max_in_flight} requests in "
                                "flight); retry later", status=503, type="server_error",
                                code="overloaded", headers={"Retry-After": "1"})
-        job = prepare(req)
         if req.stream:
             return StreamingResponse(sse_frames(engine, tokenizer, job),
                                      media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,10 +1,15 @@
 """OpenAI-compatible request models and error bodies of the HTTP front end.
 
 Defaults follow OpenAI's API, not ``SamplingParams``: ``temperature`` defaults to 1.0 (random
-sampling; send 0 for greedy), ``max_tokens`` to 16 for both routes.  An explicit
-``"max_tokens": null`` means "up to the context limit".  Extensions beyond OpenAI: ``top_k``
-(0 or -1 = off), ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (adds ``token_ids``
-and ``prompt_token_ids`` to each choice).
+sampling; send 0 for greedy); completions' ``max_tokens`` to 16, chat's to the rest of the
+context (as does an explicit ``"max_tokens": null`` on either route).  ``prompt`` is a string, a
+token-id list, or a batch of either; ``n`` samples per prompt.  Extensions beyond OpenAI:
+``top_k`` (0 or -1 = off), ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (adds
+``token_ids`` and ``prompt_token_ids`` to each choice).
+
+A field that OpenAI (or vLLM / SGLang) defines and this server cannot honour is refused with a
+400 naming it in ``param`` unless it holds a neutral value (``UNSUPPORTED``): never accepted
+and ignored.  ``user`` and other metadata that do not change the output are accepted.
 
 Checks that need the server's state (token ids against the vocabulary, the context length, the
 model name) live in ``check_prompt`` / ``check_model``; the models check only the body itself.
@@ -13,9 +18,17 @@ Every refusal becomes an OpenAI-style body ``{"error": {message, type, param, co
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 INVALID_REQUEST = "invalid_request_error"
 
@@ -59,10 +72,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _refuse_unless_neutral(value: Any, neutral: tuple) -> Any:
+    if value not in neutral:
+        allowed = " or ".join("unset" if v is None else repr(v) for v in neutral)
+        raise ValueError(f"not supported by this server (send it {allowed})")
+    return value
+
+
 class _GenerationRequest(BaseModel):
-    """Fields shared by both routes.  Unknown fields are ignored (clients send many)."""
+    """Fields shared by both routes.  Unknown fields are ignored (clients send many); the known
+    ones this server cannot honour are refused (``UNSUPPORTED``)."""
 
     model_config = ConfigDict(extra="ignore")
+
+    # field -> the values that mean "off" (the field declared as ``Any = None`` below)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "logit_bias": (None, {}),  # pending: the sampler's logit controls
+        "min_tokens": (None, 0),  # pending: the sampler's logit controls
+        "response_format": (None, {"type": "text"}),
+        "min_p": (None, 0),
+        "use_beam_search": (None, False),
+        "prompt_logprobs": (None,),
+        "guided_json": (None,),
+        "guided_regex": (None,),
+        "guided_choice": (None,),
+        "guided_grammar": (None,),
+        "include_stop_str_in_output": (None, False),
+        "skip_special_tokens": (None, True),
+        "truncate_prompt_tokens": (None,),
+    }
 
     model: str | None = None
     max_tokens: int | None = Field(default=16, ge=1)
@@ -73,7 +111,8 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     return_token_ids: bool = False
@@ -81,19 +120,37 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    best_of: int | None = None
+    logit_bias: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+    min_p: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
 
-    @field_validator("n")
+    @field_validator(*UNSUPPORTED)
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"only best_of = n ({n}) is supported: every sample is returned")
+        return best_of
 
     @model_validator(mode="after")
     def _neutral_unsupported(self) -> _GenerationRequest:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0), ("best_of", 1)):
+                              ("repetition_penalty", 1.0)):
             value = getattr(self, name)
             if value is not None and value != neutral:
                 raise ValueError(f"{name} is not supported (only {neutral})")
@@ -114,31 +171,48 @@ class _GenerationRequest(BaseModel):
         return self.max_tokens
 
 
-class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, as text or as token ids."""
+Prompt = str | list[StrictInt]
 
-    prompt: str | list[StrictInt]
-    echo: bool = False
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt (text or token ids) or a batch of them."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_GenerationRequest.UNSUPPORTED, "echo": (None, False), "suffix": (None, "")}
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: Any = None
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Any = None
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, prompt: str | list[int]) -> str | list[int]:
+    def _non_empty(cls, prompt: Any) -> Any:
         if len(prompt) == 0:
             raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and any(isinstance(p, str | list) and not p for p in prompt):
+            raise ValueError("no prompt of a batch may be empty")
         return prompt
 
-    @model_validator(mode="after")
-    def _no_unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs not in (None, 0):
+    @field_validator("logprobs")
+    @classmethod
+    def _only_sampled_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs not in (None, 0):
             raise ValueError("only logprobs=0 is supported: the log-probability of each "
                              "generated token, without alternatives")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
+        return logprobs
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The batch; a lone string or token-id list is a batch of one."""
+        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], str | list):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -160,17 +234,46 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``."""
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over ``max_tokens``; with
+    neither, the rest of the context."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_GenerationRequest.UNSUPPORTED,
+        "logprobs": (None, False), "top_logprobs": (None, 0),
+        "tools": (None, []), "tool_choice": (None, "none", "auto"),
+        "functions": (None, []), "function_call": (None, "none", "auto"),
+        "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+        "reasoning_effort": (None,), "web_search_options": (None,),
+        "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+        "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
 
-    @model_validator(mode="after")
-    def _no_logprobs(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
+    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "functions",
+                     "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+                     "web_search_options", "add_generation_prompt", "continue_final_message",
+                     "chat_template", "chat_template_kwargs")
+    @classmethod
+    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -187,8 +290,11 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 def check_prompt(prompt_ids: list[int], max_tokens: int | None, *, vocab_size: int,
-                 max_context_len: int, param: str = "prompt") -> int:
-    """Check ids and lengths; return the effective max_tokens (``None``: what is left)."""
+                 max_context_len: int, max_total_tokens: int | None = None,
+                 param: str = "prompt") -> int:
+    """Check ids and lengths; return the effective max_tokens (``None``: what is left of the
+    context and of the KV pool, ``max_total_tokens`` rows, as the scheduler bounds a request:
+    prompt + max_tokens within both, so a default is never refused)."""
     if not prompt_ids:
         raise RequestError("the prompt is empty (after tokenisation)", param=param)
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
@@ -196,11 +302,17 @@ def check_prompt(prompt_ids: list[int], max_tokens: int | None, *, vocab_size: i
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
                            param=param)
     prompt_len = len(prompt_ids)
+    pool_len = max_context_len if max_total_tokens is None else max_total_tokens
     if max_tokens is None:
-        max_tokens = max_context_len - prompt_len
+        max_tokens = min(max_context_len, pool_len) - prompt_len
     if max_tokens < 1 or prompt_len + max_tokens > max_context_len:
         raise RequestError(
             f"This model's maximum context length is {max_context_len} tokens; the request "
             f"needs {prompt_len + max(max_tokens, 1)} ({prompt_len} in the prompt, "
             f"{max(max_tokens, 1)} to generate).", param=param, code="context_length_exceeded")
+    if prompt_len + max_tokens > pool_len:
+        raise RequestError(
+            f"the request needs {prompt_len + max_tokens} KV rows ({prompt_len} in the prompt, "
+            f"{max_tokens} to generate), more than the server's pool of {pool_len} "
+            "(--max-total-tokens)", param=param, code="context_length_exceeded")
     return max_tokens

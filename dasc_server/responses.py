@@ -1,9 +1,17 @@
-"""Responses of the generation routes: one request's frames -> text deltas -> SSE or JSON.
+"""Responses of the generation routes: frames of every choice -> text deltas -> SSE or JSON.
 
-One generation request: ``engine.generate`` frames -> ``IncrementalDetokenizer`` -> deltas ->
-SSE chunks or one JSON body.  Leaving the frame iterator early (stop string matched, client
-gone) aborts the request at the scheduler, so every iterator is closed with ``aclosing``: the
-abort goes out at once, not at garbage collection.  Latency and outcome go to ``Metrics``.
+One HTTP request runs one engine request per choice (``n`` samples of each prompt of a batch).
+A choice: ``engine.generate`` frames -> ``IncrementalDetokenizer`` -> deltas; the choices' deltas
+are merged as they come into SSE chunks (one choice each, with its ``index``) or one JSON body
+(choices in index order).  Leaving a frame iterator early (stop string matched, client gone, a
+sibling choice failed) aborts its request at the scheduler, so every iterator is closed with
+``aclosing`` and every choice task is cancelled and awaited: the aborts go out at once, not at
+garbage collection.  Latency and outcome go to ``Metrics``, per choice.
+
+Prompt sharing: the samples j > 0 of a prompt are sent only once sample 0 has its first frame.
+By then the scheduler has prefilled the prompt and stored its checkpoint at ``prompt_len - 1``
+(inserted into the tree when that prefill step's result comes back, before the step that
+samples the first token), so the other samples restore it instead of prefilling n times.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -28,14 +36,28 @@ DONE_FRAME = "data: [DONE]\n\n"
 
 
 @dataclass(slots=True)
-class Job:
-    """One validated request and its running counts."""
+class Choice:
+    """One sample of one prompt: its own engine request.  ``index`` is OpenAI's,
+    prompt-major: ``prompt_index * n + sample_index``."""
 
-    is_chat: bool
+    index: int
+    prompt_index: int
+    sample_index: int
     rid: str
-    model: str
     prompt_ids: list[int]
     sampling: SamplingParams
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Job:
+    """One validated HTTP request: its choices and what they share."""
+
+    is_chat: bool
+    id: str
+    model: str
+    choices: list[Choice]
     stop: list[str]
     return_token_ids: bool
     include_usage: bool
@@ -43,8 +65,8 @@ class Job:
     created: int
     metrics: Metrics
     arrived: float  # perf_counter() when the request was accepted
-    num_completion_tokens: int = 0
-    num_cached_tokens: int = 0
+    share_prompts: bool = True  # hold samples j > 0 until sample 0 has cached the prompt
+    primed: dict[int, asyncio.Event] = field(default_factory=dict)  # by prompt index
 
     def envelope(self, chunk: bool) -> dict:
         if self.is_chat:
@@ -52,14 +74,19 @@ class Job:
         else:
             obj = "text_completion"
         prefix = "chatcmpl-" if self.is_chat else "cmpl-"
-        return {"id": prefix + self.rid, "object": obj, "created": self.created,
+        return {"id": prefix + self.id, "object": obj, "created": self.created,
                 "model": self.model}
 
     def usage(self) -> dict:
-        num_prompt = len(self.prompt_ids)
-        return {"prompt_tokens": num_prompt, "completion_tokens": self.num_completion_tokens,
-                "total_tokens": num_prompt + self.num_completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        """As OpenAI counts: each prompt once (with its first sample's cache hit), every
+        choice's completion tokens."""
+        firsts = [c for c in self.choices if c.sample_index == 0]
+        num_prompt = sum(len(c.prompt_ids) for c in firsts)
+        num_completion = sum(c.num_completion_tokens for c in self.choices)
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
 
 @dataclass(slots=True)
@@ -70,28 +97,33 @@ class Delta:
     finish_reason: str | None  # set on the last delta only
 
 
-
 def engine_down(reason: str) -> RequestError:
     return RequestError(f"the engine is down: {reason}", status=503, type="server_error",
                         code="engine_dead")
 
 
-async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job
+async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job, choice: Choice
                   ) -> AsyncIterator[Delta]:
-    """Text deltas of one request; raises RequestError if it is refused or the engine dies."""
-    detok = IncrementalDetokenizer(tokenizer, job.stop, job.prompt_ids)
+    """Text deltas of one choice; raises RequestError if it is refused or the engine dies."""
+    detok = IncrementalDetokenizer(tokenizer, job.stop, choice.prompt_ids)
+    primed = job.primed.get(choice.prompt_index) if job.share_prompts else None
+    if primed is not None and choice.sample_index > 0:
+        await primed.wait()
     finish = None
     try:
-        async with aclosing(engine.generate(job.rid, job.prompt_ids, job.sampling)) as frames:
+        frames = engine.generate(choice.rid, choice.prompt_ids, choice.sampling)
+        async with aclosing(frames):
             async for out in frames:
+                if choice.sample_index == 0 and primed is not None:
+                    primed.set()
                 if out.finish_reason == "error":
                     if engine.dead is not None:
                         raise engine_down(engine.dead)
                     raise RequestError(out.error or "the scheduler refused the request")
-                if out.token_ids and not job.num_completion_tokens:
+                if out.token_ids and not choice.num_completion_tokens:
                     job.metrics.ttft.observe(time.perf_counter() - job.arrived)
-                job.num_completion_tokens += len(out.token_ids)
-                job.num_cached_tokens = max(job.num_cached_tokens, out.cached_tokens)
+                choice.num_completion_tokens += len(out.token_ids)
+                choice.num_cached_tokens = max(choice.num_cached_tokens, out.cached_tokens)
                 text = detok.step(out.token_ids)
                 if out.finished and not detok.stopped:
                     text += detok.flush()
@@ -115,31 +147,73 @@ async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job
         job.metrics.finished.labels(finish).inc()
         raise
     finally:
+        if choice.sample_index == 0 and primed is not None:
+            primed.set()  # whatever happened, the other samples need not wait any longer
         if finish is None:  # the consumer left before the end: the request was aborted
             job.metrics.aborted.inc()
+
+
+async def _all_deltas(engine: EngineClient, tokenizer: Any | None, job: Job
+                      ) -> AsyncIterator[tuple[Choice, Delta]]:
+    """Every choice's deltas, merged as they arrive.  The first choice to fail ends the whole
+    request (its error is raised, the others are aborted), as does leaving early."""
+    if len(job.choices) == 1:
+        choice = job.choices[0]
+        async with aclosing(_deltas(engine, tokenizer, job, choice)) as deltas:
+            async for delta in deltas:
+                yield choice, delta
+        return
+    job.primed = {c.prompt_index: asyncio.Event() for c in job.choices}
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async with aclosing(_deltas(engine, tokenizer, job, choice)) as deltas:
+                async for delta in deltas:
+                    queue.put_nowait((choice, delta))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((choice, e))
+            return
+        queue.put_nowait((choice, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in job.choices]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            choice, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                num_running -= 1
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let the aborts go out
 
 
 def _sse_frame(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _choice(job: Job, body: dict, finish_reason: str | None, token_ids: list[int],
-            logprobs: list[float], with_prompt_ids: bool) -> dict:
+def _choice(job: Job, choice: Choice, body: dict, finish_reason: str | None,
+            token_ids: list[int], logprobs: list[float], with_prompt_ids: bool) -> dict:
     """``logprobs`` (completions, ``logprobs: 0``): the generated tokens' log-probabilities
     under the model (temperature 1); tokens are given by id as strings when no tokenizer."""
     report = None
     if job.logprobs:
         report = {"tokens": [str(t) for t in token_ids], "token_logprobs": logprobs,
                   "top_logprobs": None, "text_offset": None}
-    choice = {"index": 0, **body, "logprobs": report, "finish_reason": finish_reason}
+    out = {"index": choice.index, **body, "logprobs": report, "finish_reason": finish_reason}
     if job.return_token_ids:
-        choice["token_ids"] = token_ids
+        out["token_ids"] = token_ids
         if with_prompt_ids:
-            choice["prompt_token_ids"] = job.prompt_ids
-    return choice
+            out["prompt_token_ids"] = choice.prompt_ids
+    return out
 
 
-def _chunk(job: Job, delta: Delta, is_first: bool) -> dict:
+def _chunk(job: Job, choice: Choice, delta: Delta, is_first: bool) -> dict:
     if job.is_chat:
         message: dict[str, str] = {"role": "assistant"} if is_first else {}
         if delta.text or is_first:
@@ -147,22 +221,24 @@ def _chunk(job: Job, delta: Delta, is_first: bool) -> dict:
         body: dict[str, Any] = {"delta": message}
     else:
         body = {"text": delta.text}
-    choice = _choice(job, body, delta.finish_reason, delta.token_ids, delta.logprobs,
-                     with_prompt_ids=is_first)
-    return {**job.envelope(chunk=True), "choices": [choice]}
+    out = _choice(job, choice, body, delta.finish_reason, delta.token_ids, delta.logprobs,
+                  with_prompt_ids=is_first)
+    return {**job.envelope(chunk=True), "choices": [out]}
 
 
 async def sse_frames(engine: EngineClient, tokenizer: Any | None, job: Job) -> AsyncIterator[str]:
-    is_first = True
+    """One chunk per choice's delta, as they come; an error ends the stream with an error
+    frame and ``[DONE]`` (the other choices aborted)."""
+    started: set[int] = set()  # choices that sent their first chunk
     try:
-        async with aclosing(_deltas(engine, tokenizer, job)) as deltas:
-            async for delta in deltas:
+        async with aclosing(_all_deltas(engine, tokenizer, job)) as deltas:
+            async for choice, delta in deltas:
                 # Chunks without text would give clients a first "token" that is not one.
                 has_ids = job.return_token_ids and delta.token_ids
                 if not (delta.text or delta.finish_reason or has_ids):
                     continue
-                yield _sse_frame(_chunk(job, delta, is_first))
-                is_first = False
+                yield _sse_frame(_chunk(job, choice, delta, choice.index not in started))
+                started.add(choice.index)
     except RequestError as e:
         yield _sse_frame(e.body())
         yield DONE_FRAME
@@ -172,21 +248,33 @@ async def sse_frames(engine: EngineClient, tokenizer: Any | None, job: Job) -> A
     yield DONE_FRAME
 
 
+@dataclass(slots=True)
+class _Collected:
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
 async def complete_body(engine: EngineClient, tokenizer: Any | None, job: Job) -> dict:
-    texts: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    finish_reason = None
-    async with aclosing(_deltas(engine, tokenizer, job)) as deltas:
-        async for delta in deltas:
-            texts.append(delta.text)
-            token_ids.extend(delta.token_ids)
-            logprobs.extend(delta.logprobs)
-            finish_reason = delta.finish_reason
-    text = "".join(texts)
-    body = {"message": {"role": "assistant", "content": text}} if job.is_chat else {"text": text}
-    choice = _choice(job, body, finish_reason, token_ids, logprobs, with_prompt_ids=True)
-    return {**job.envelope(chunk=False), "choices": [choice], "usage": job.usage()}
+    """The JSON body, choices in index order; the first choice to fail raises its error."""
+    collected = {c.index: _Collected() for c in job.choices}
+    async with aclosing(_all_deltas(engine, tokenizer, job)) as deltas:
+        async for choice, delta in deltas:
+            got = collected[choice.index]
+            got.texts.append(delta.text)
+            got.token_ids.extend(delta.token_ids)
+            got.logprobs.extend(delta.logprobs)
+            got.finish_reason = delta.finish_reason
+    choices = []
+    for choice in sorted(job.choices, key=lambda c: c.index):
+        got = collected[choice.index]
+        text = "".join(got.texts)
+        body = ({"message": {"role": "assistant", "content": text}} if job.is_chat
+                else {"text": text})
+        choices.append(_choice(job, choice, body, got.finish_reason, got.token_ids,
+                               got.logprobs, with_prompt_ids=True))
+    return {**job.envelope(chunk=False), "choices": choices, "usage": job.usage()}
 
 
 async def finished_before_disconnect(task: asyncio.Future, request: Request) -> bool:

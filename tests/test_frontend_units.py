@@ -234,7 +234,7 @@ def test_completion_defaults_follow_openai():
 
 def test_chat_max_completion_tokens_wins():
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    assert ChatCompletionRequest.model_validate(body).requested_max_tokens == 16
+    assert ChatCompletionRequest.model_validate(body).requested_max_tokens is None  # the rest
     req = ChatCompletionRequest.model_validate(
         {**body, "max_tokens": 5, "max_completion_tokens": 7})
     assert req.requested_max_tokens == 7
@@ -252,9 +252,17 @@ def test_chat_max_completion_tokens_wins():
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "top_k": -2}, "top_k"),
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "echo": True}, None),
-    ({"prompt": "x", "logprobs": 1}, None),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": ["x", ""]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": [[1], "x"]}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "suffix": "tail"}, "suffix"),
+    ({"prompt": "x", "logit_bias": {"65": -100}}, "logit_bias"),
+    ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "frequency_penalty": 0.5}, None),
 ])
 def test_bad_completion_bodies(body, param):
