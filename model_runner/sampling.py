@@ -1,24 +1,115 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, reproducible per request.
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, reproducible per request, and
+the logit controls (logit_bias, presence/frequency/repetition penalties, min_tokens).
 
 Each sampled token gets its own generator seeded from (request seed, output position), so a
-request's tokens do not depend on which other requests share its batch.
+request's tokens do not depend on which other requests share its batch; the logit controls
+keep that property because each one reads only its own request's row and history.
 """
 
 from __future__ import annotations
 
 import torch
 
-from scheduler.messages import Sample
+from scheduler.messages import LogitControls, Sample
 
 _MIX = 0x9E3779B97F4A7C15
 
 
-def sample_tokens(logits: torch.Tensor, specs: list[Sample]) -> tuple[list[int], list[float]]:
+class RequestControls:
+    """One request's logit controls on rank 0 and the history they need: counts of the tokens
+    sampled for it (presence/frequency) and the set of prompt or sampled tokens (repetition),
+    each a [vocab] tensor on the logits' device, allocated only when its penalty is on."""
+
+    def __init__(self, c: LogitControls, vocab_size: int, device: torch.device):
+        self.c = c
+        self.num_sampled = 0
+        self.bias_ids = self.bias = self.counts = self.seen = self.banned = None
+        if c.logit_bias:
+            self.bias_ids = torch.tensor(list(c.logit_bias), dtype=torch.long, device=device)
+            self.bias = torch.tensor(list(c.logit_bias.values()), dtype=torch.float32,
+                                     device=device)
+        if c.presence_penalty or c.frequency_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if c.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(c.prompt_ids, dtype=torch.long, device=device)] = True
+        if c.min_tokens and c.banned_ids:
+            self.banned = torch.tensor(c.banned_ids, dtype=torch.long, device=device)
+
+    def apply(self, row: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] -> controlled float32 logits [vocab] (a new tensor), in the order
+        ``LogitControls`` documents."""
+        c, x = self.c, row.float().clone()  # never write into the batch's logits
+        if self.seen is not None:
+            penalised = torch.where(x > 0, x / c.repetition_penalty, x * c.repetition_penalty)
+            x = torch.where(self.seen, penalised, x)
+        if self.counts is not None:
+            x = (x - c.frequency_penalty * self.counts
+                 - c.presence_penalty * (self.counts > 0).float())
+        if self.bias is not None:
+            x.index_add_(0, self.bias_ids, self.bias)
+        if self.banned is not None and self.num_sampled < c.min_tokens:
+            x[self.banned] = float("-inf")
+        return x
+
+    def record(self, token: int) -> None:
+        self.num_sampled += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
+
+
+class LogitControlTable:
+    """Rank 0's ``RequestControls`` by request id: created from the controls a request's first
+    ``Sample`` carries, dropped with its row table (``release``).  Requests without controls
+    have no entry and cost one dict miss per sampled token."""
+
+    def __init__(self):
+        self._reqs: dict[str, RequestControls] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def release(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._reqs.pop(rid, None)
+
+    def for_batch(self, rids: list[str], specs: list[Sample], logits: torch.Tensor
+                  ) -> list[RequestControls | None] | None:
+        """Each row's controls (None: no controls in this batch at all)."""
+        if not self._reqs and all(spec.controls is None for spec in specs):
+            return None
+        out = []
+        for rid, spec in zip(rids, specs, strict=True):
+            if spec.controls is not None:
+                self._reqs[rid] = RequestControls(spec.controls, logits.shape[-1],
+                                                  logits.device)
+            ctl = self._reqs.get(rid)
+            if ctl is not None and ctl.num_sampled != spec.index:
+                raise RuntimeError(f"request {rid!r}: rank 0 sampled {ctl.num_sampled} tokens, "
+                                   f"the plan asks for token {spec.index}")
+            out.append(ctl)
+        return out if any(ctl is not None for ctl in out) else None
+
+
+def sample_tokens(logits: torch.Tensor, specs: list[Sample],
+                  controls: list[RequestControls | None] | None = None
+                  ) -> tuple[list[int], list[float]]:
     """logits [B, vocab] (one row per spec) -> one token per row and its log-probability
-    under the model's distribution (temperature 1, no truncation), as OpenAI reports it."""
+    under the model's distribution (temperature 1, no truncation, no logit controls), as
+    OpenAI reports it.  ``controls`` (one per row, from ``LogitControlTable.for_batch``)
+    change the logits a row samples from, and record the token sampled."""
     greedy = logits.argmax(dim=-1).tolist()
-    tokens = [best if spec.temperature <= 0 else _sample_row(row, spec)
-              for row, spec, best in zip(logits, specs, greedy)]
+    tokens = []
+    for i, (row, spec, best) in enumerate(zip(logits, specs, greedy)):
+        ctl = controls[i] if controls is not None else None
+        if ctl is not None:
+            row = ctl.apply(row)
+            best = int(row.argmax())
+        tokens.append(best if spec.temperature <= 0 else _sample_row(row, spec))
+        if ctl is not None:
+            ctl.record(tokens[-1])
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, vocab]
     picked = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
     return tokens, picked.squeeze(1).tolist()

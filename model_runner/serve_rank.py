@@ -29,7 +29,7 @@ from model_runner.cpu_features import emulated_bf16_note
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
 from model_runner.rank_args import add_rank_args
 from model_runner.runner import ModelRunner, RunnerConfig
-from model_runner.sampling import sample_tokens
+from model_runner.sampling import LogitControlTable, sample_tokens
 from scheduler import ipc
 from scheduler.messages import BatchPlan, RankInfo, RowTables, SeqStep, Shutdown, StepResult
 from scheduler.scheduler import active_state_slots
@@ -127,12 +127,15 @@ def row_tables(runner: ModelRunner) -> RowTables:
     return RowTables(runner.check_page_table)
 
 
-def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables
-            ) -> tuple[list[int], list[float]]:
+def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
+            controls: LogitControlTable | None = None) -> tuple[list[int], list[float]]:
     """Run one plan in the order BatchPlan documents; rank 0's sampled tokens, logprobs.
     ``tables`` comes from ``row_tables`` (checked on arrival) and the token ids from the
-    scheduler, which checks every prompt, and the sampler."""
+    scheduler, which checks every prompt, and the sampler.  ``controls``: rank 0's logit
+    controls, kept across plans like the row tables (None: a fresh table for this plan)."""
     tables.apply(plan)
+    controls = LogitControlTable() if controls is None else controls
+    controls.release(plan.release)
 
     def seq(s: SeqStep) -> SeqInput:
         return SeqInput(s.token_ids, s.prefix_len, tables.rows(s.rid), s.state_slot)
@@ -153,7 +156,10 @@ def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables
             rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
             if rows:
                 specs = [plan.seqs[i].sample for i in rows]
-                tokens, logprobs = sample_tokens(logits[rows], specs)
+                rids = [plan.seqs[i].rid for i in rows]
+                batch = logits[rows]
+                tokens, logprobs = sample_tokens(batch, specs,
+                                                 controls.for_batch(rids, specs, batch))
     if plan.stores_after:
         runner.store_checkpoints(*_unzip(plan.stores_after))
     return tokens, logprobs
@@ -164,7 +170,7 @@ def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
 
 
 def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
-    conn, tables = None, row_tables(runner)
+    conn, tables, controls = None, row_tables(runner), LogitControlTable()
     if tp.is_first:
         conn = ipc.connect(port)
         ipc.send(conn, info)
@@ -174,7 +180,7 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         if isinstance(msg, Shutdown):
             return
         started = time.perf_counter()
-        tokens, logprobs = execute(runner, msg, tables)
+        tokens, logprobs = execute(runner, msg, tables, controls)
         if tp.is_first:
             ipc.send(conn, StepResult(msg.step_id, tokens, time.perf_counter() - started,
                                       logprobs))

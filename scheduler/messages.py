@@ -24,6 +24,17 @@ class SamplingParams:
     seed: int | None = None  # None: the scheduler draws one
     stop_token_ids: list[int] = field(default_factory=list)  # generation ends after one of these
     ignore_eos: bool = False
+    # logit controls (OpenAI / vLLM semantics; the defaults are off and cost nothing)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    presence_penalty: float = 0.0  # [-2, 2], over the generated tokens
+    frequency_penalty: float = 0.0  # [-2, 2], per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens; 1 = off
+    min_tokens: int = 0  # EOS and stop_token_ids banned before this many tokens
+
+    @property
+    def has_logit_controls(self) -> bool:
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 @dataclass(slots=True)
@@ -152,6 +163,24 @@ class RankInfo:
 
 
 @dataclass(slots=True)
+class LogitControls:
+    """A request's logit controls, sent to rank 0 once, with its first sample (index 0).  Rank
+    0 keeps them, with counts of the tokens it samples for the request, until the plan that
+    releases the request's row table, so later steps carry nothing and the history never
+    travels.  Applied in this order to the model's logits: repetition penalty (tokens of
+    ``prompt_ids`` or the output), presence and frequency penalties (output), ``logit_bias``,
+    then ``banned_ids`` -> -inf while fewer than ``min_tokens`` tokens have been sampled."""
+
+    logit_bias: dict[int, float]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    banned_ids: list[int]  # stop_token_ids, and EOS unless ignore_eos
+    prompt_ids: list[int]  # distinct prompt tokens; empty unless repetition_penalty != 1
+
+
+@dataclass(slots=True)
 class Sample:
     """Sampling of the token that follows a sequence's last new token (rank 0 does it)."""
 
@@ -160,6 +189,7 @@ class Sample:
     top_k: int
     seed: int  # with ``index``: one generator per (request, output position)
     index: int
+    controls: LogitControls | None = None  # index 0 of a request that has any
 
 
 @dataclass(slots=True)
@@ -234,5 +264,5 @@ class StepResult:
 MESSAGE_TYPES = (
     SamplingParams, GenerateReq, AbortReq, FlushCacheReq, StatsReq, Shutdown, TokenOut,
     FlushCacheDone, Stats,
-    ServerInfo, RankInfo, Sample, SeqStep, BatchPlan, StepResult,
+    ServerInfo, RankInfo, LogitControls, Sample, SeqStep, BatchPlan, StepResult,
 )

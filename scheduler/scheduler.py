@@ -14,11 +14,20 @@ next turn of a conversation hits.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler.messages import BatchPlan, Sample, SamplingParams, SeqStep, StepResult, TokenOut
+from scheduler.messages import (
+    BatchPlan,
+    LogitControls,
+    Sample,
+    SamplingParams,
+    SeqStep,
+    StepResult,
+    TokenOut,
+)
 from scheduler.pools import IndexPool
 from scheduler.radix_cache import RadixCache
 from scheduler.request import Req
@@ -61,6 +70,12 @@ class SchedulerConfig:
     @property
     def num_state_slots(self) -> int:
         return active_state_slots(self.max_running_requests)
+
+
+def _is_real(x: object) -> bool:
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, int) or (isinstance(x, float) and math.isfinite(x))
 
 
 class Scheduler:
@@ -110,6 +125,27 @@ class Scheduler:
         if total > limit:
             return (f"prompt ({len(prompt)} tokens) + max_tokens ({s.max_tokens}) = {total} "
                     f"exceeds the limit of {limit} tokens")
+        return self._check_controls(s) if s.has_logit_controls else None
+
+    def _check_controls(self, s: SamplingParams) -> str | None:
+        vocab = self.cfg.vocab_size
+        if not isinstance(s.logit_bias, dict):
+            return "logit_bias must map token ids to biases"
+        for token, bias in s.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                return f"logit_bias token ids must lie in [0, {vocab}), got {token!r}"
+            if not _is_real(bias) or not -100 <= bias <= 100:
+                return f"logit_bias values must lie in [-100, 100], got {bias!r} for {token}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(s, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                return f"{name} must lie in [-2, 2], got {value!r}"
+        if not _is_real(s.repetition_penalty) or not s.repetition_penalty > 0:
+            return f"repetition_penalty must be a number > 0, got {s.repetition_penalty!r}"
+        if not isinstance(s.min_tokens, int) or s.min_tokens < 0:
+            return f"min_tokens must be at least 0, got {s.min_tokens!r}"
+        if s.min_tokens > s.max_tokens:
+            return f"min_tokens ({s.min_tokens}) must not exceed max_tokens ({s.max_tokens})"
         return None
 
     def abort(self, rid: str) -> bool:
@@ -230,9 +266,23 @@ class Scheduler:
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
             sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output))
+            if not r.output and s.has_logit_controls:
+                sample.controls = self._controls(r)
         plan.seqs.append(SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot,
                                  sample))
         self._inflight.append((r, end - r.computed, sample is not None))
+
+    def _controls(self, r: Req) -> LogitControls:
+        """What rank 0 keeps for the request; only ids inside the vocabulary are banned (a stop
+        id outside it can never be sampled anyway)."""
+        s, vocab, eos = r.sampling, self.cfg.vocab_size, self.cfg.eos_token_id
+        banned = [t for t in s.stop_token_ids if 0 <= t < vocab]
+        if eos is not None and not s.ignore_eos and eos not in banned:
+            banned.append(eos)
+        seen = sorted(set(r.prompt)) if s.repetition_penalty != 1.0 else []
+        return LogitControls(dict(s.logit_bias), float(s.presence_penalty),
+                             float(s.frequency_penalty), float(s.repetition_penalty),
+                             s.min_tokens, banned if s.min_tokens else [], seen)
 
     def _plan_store(self, plan: BatchPlan, r: Req, end: int) -> None:
         if end not in self._boundaries(r) or self.cache.ckpt_at(r.prompt[:end]) is not None:
