@@ -359,3 +359,54 @@ def test_sends_to_a_scheduler_that_does_not_read_never_block_the_event_loop(monk
     listener.close()
     assert not blocked, "the event loop blocked writing to the scheduler"
     assert len(lags) == 20 and sorted(lags)[10] < 0.1
+
+
+# ---- prompt batches, n, unsupported fields (issue 19) -----------------------------------------
+
+
+def test_prompt_batches_and_single_prompts():
+    def prompts(prompt):
+        return CompletionRequest.model_validate({"prompt": prompt}).prompts
+
+    assert prompts("a") == ["a"]
+    assert prompts([1, 2]) == [[1, 2]]  # one token-id list stays one prompt
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([[1], [2, 3]]) == [[1], [2, 3]]
+
+
+def test_sample_seeds_follow_the_request_seed():
+    from dasc_server.app import sample_seed
+
+    assert [sample_seed(7, j) for j in range(3)] == [7, 8, 9]
+    assert sample_seed(2**63 - 1, 1) == 0  # stays a valid seed
+    assert sample_seed(None, 2) is None  # the scheduler draws one per sample
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted():
+    CompletionRequest.model_validate({"prompt": "x", "echo": False, "suffix": "", "logit_bias": {},
+                                      "min_tokens": 0, "response_format": {"type": "text"},
+                                      "n": 2, "best_of": 2})
+    ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
+        "logprobs": False, "top_logprobs": 0, "modalities": ["text"], "user": "u"})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]), ("logprobs", True), ("top_logprobs", 2),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}),
+    ("reasoning_effort", "high"), ("chat_template_kwargs", {"enable_thinking": True}),
+])
+def test_unsupported_chat_fields_are_named(field, value):
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    assert validation_error_body(info.value.errors())["error"]["param"] == field
+
+
+def test_check_prompt_default_is_bounded_by_the_pool():
+    limits = {"vocab_size": 264, "max_context_len": 10, "max_total_tokens": 6}
+    assert check_prompt([1, 2], None, **limits) == 4  # the pool, not the context, bounds it
+    with pytest.raises(RequestError) as info:
+        check_prompt([1, 2], 5, **limits)
+    assert "pool" in info.value.message and info.value.param == "prompt"
