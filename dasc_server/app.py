@@ -131,11 +131,13 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
             raise RequestError("the model folder has no tokenizer: send the prompt as token ids "
                                "and no stop strings", param="stop" if req.stop_strings else param)
         num_prompts = 1 if is_chat else len(prompts)
-        if num_prompts * req.n > max_in_flight:
+        num_samples = req.num_samples
+        if num_prompts * num_samples > max_in_flight:
             raise RequestError(
-                f"{num_prompts} prompt(s) x n={req.n} = {num_prompts * req.n} choices; at most "
-                f"{max_in_flight} (--max-running-requests + --max-queued-requests)",
-                param="n" if req.n > 1 else "prompt")
+                f"{num_prompts} prompt(s) x {num_samples} samples = {num_prompts * num_samples} "
+                f"choices; at most {max_in_flight} (--max-running-requests + "
+                "--max-queued-requests)",
+                param=("best_of" if req.best_of else "n") if num_samples > 1 else "prompt")
         info = engine.info
         stop_token_ids = list(req.stop_token_ids or [])
         if any(not 0 <= t < info.vocab_size for t in stop_token_ids):
@@ -152,12 +154,12 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                 if num_prompts > 1:
                     e.message = f"prompt {prompt_index}: {e.message}"
                 raise
-            for sample_index in range(req.n):
+            for sample_index in range(num_samples):
                 sampling = SamplingParams(
                     max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                     top_k=max(req.top_k, 0), seed=sample_seed(req.seed, sample_index),
                     stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos)
-                choices.append(Choice(prompt_index * req.n + sample_index, prompt_index,
+                choices.append(Choice(prompt_index * num_samples + sample_index, prompt_index,
                                       sample_index, engine.new_rid(), prompt_ids, sampling))
         return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,
                    stop=req.stop_strings,
@@ -165,7 +167,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                    include_usage=req.include_usage, created=int(time.time()),
                    metrics=metrics, arrived=time.perf_counter(),
                    logprobs=not is_chat and req.logprobs is not None,
-                   share_prompts=info.prefix_cache)
+                   share_prompts=info.prefix_cache, num_returned=req.n)
 
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request
                     ) -> Response:

@@ -3,9 +3,9 @@
 Defaults follow OpenAI's API, not ``SamplingParams``: ``temperature`` defaults to 1.0 (random
 sampling; send 0 for greedy); completions' ``max_tokens`` to 16, chat's to the rest of the
 context (as does an explicit ``"max_tokens": null`` on either route).  ``prompt`` is a string, a
-token-id list, or a batch of either; ``n`` samples per prompt.  Extensions beyond OpenAI:
-``top_k`` (0 or -1 = off), ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (adds
-``token_ids`` and ``prompt_token_ids`` to each choice).
+token-id list, or a batch of either; ``n`` samples per prompt (the best ``n`` of ``best_of``).
+Extensions beyond OpenAI: ``top_k`` (0 or -1 = off), ``ignore_eos``, ``stop_token_ids`` and
+``return_token_ids`` (adds ``token_ids`` and ``prompt_token_ids`` to each choice).
 
 A field that OpenAI (or vLLM / SGLang) defines and this server cannot honour is refused with a
 400 naming it in ``param`` unless it holds a neutral value (``UNSUPPORTED``): never accepted
@@ -141,10 +141,12 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+    def _best_of_at_least_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
         n = info.data.get("n", 1)
-        if best_of is not None and best_of != n:
-            raise ValueError(f"only best_of = n ({n}) is supported: every sample is returned")
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of must be at least n ({n})")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise ValueError("best_of > n cannot be streamed")
         return best_of
 
     @model_validator(mode="after")
@@ -169,6 +171,12 @@ class _GenerationRequest(BaseModel):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn per prompt: ``best_of`` of them, of which the ``n`` with the highest
+        mean token log-probability are returned."""
+        return self.best_of or self.n
 
 
 Prompt = str | list[StrictInt]

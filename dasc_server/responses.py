@@ -21,7 +21,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -66,6 +66,7 @@ class Job:
     metrics: Metrics
     arrived: float  # perf_counter() when the request was accepted
     share_prompts: bool = True  # hold samples j > 0 until sample 0 has cached the prompt
+    num_returned: int = 1  # choices per prompt in the answer (n); fewer than drawn: best_of
     primed: dict[int, asyncio.Event] = field(default_factory=dict)  # by prompt index
 
     def envelope(self, chunk: bool) -> dict:
@@ -256,6 +257,27 @@ class _Collected:
     finish_reason: str | None = None
 
 
+def _best(job: Job, collected: dict[int, _Collected]) -> list[tuple[Choice, _Collected]]:
+    """The choices to return, in index order: all of them, or (``best_of`` > n) the
+    ``num_returned`` samples of each prompt with the highest mean token log-probability,
+    renumbered ``prompt_index * n + rank`` as OpenAI numbers them."""
+    ordered = sorted(job.choices, key=lambda c: c.index)
+    if sum(1 for c in ordered if c.prompt_index == 0) <= job.num_returned:
+        return [(c, collected[c.index]) for c in ordered]
+
+    def mean_logprob(c: Choice) -> float:
+        logprobs = collected[c.index].logprobs
+        return sum(logprobs) / len(logprobs) if logprobs else float("-inf")
+
+    best = []
+    for prompt_index in dict.fromkeys(c.prompt_index for c in ordered):
+        samples = [c for c in ordered if c.prompt_index == prompt_index]
+        ranked = sorted(samples, key=mean_logprob, reverse=True)[: job.num_returned]
+        best += [(replace(c, index=prompt_index * job.num_returned + rank), collected[c.index])
+                 for rank, c in enumerate(ranked)]
+    return best
+
+
 async def complete_body(engine: EngineClient, tokenizer: Any | None, job: Job) -> dict:
     """The JSON body, choices in index order; the first choice to fail raises its error."""
     collected = {c.index: _Collected() for c in job.choices}
@@ -267,8 +289,7 @@ async def complete_body(engine: EngineClient, tokenizer: Any | None, job: Job) -
             got.logprobs.extend(delta.logprobs)
             got.finish_reason = delta.finish_reason
     choices = []
-    for choice in sorted(job.choices, key=lambda c: c.index):
-        got = collected[choice.index]
+    for choice, got in _best(job, collected):
         text = "".join(got.texts)
         body = ({"message": {"role": "assistant", "content": text}} if job.is_chat
                 else {"text": text})

@@ -1,9 +1,9 @@
 """OpenAI's request shapes beyond one prompt and one sample, against a real dasc-serve with the
 official ``openai`` client: prompt batches (text and token-id lists, as lm-eval sends them),
 ``n`` samples with seeds derived per sample and the prompt prefilled once and shared through
-the prefix cache, OpenAI's choice numbering and usage sums, aborting every choice when the
-client leaves, chat's default ``max_tokens`` (the rest of the context, bounded by the KV pool)
-and OpenAI's error body on unknown routes.
+the prefix cache, ``best_of``, OpenAI's choice numbering and usage sums, aborting every choice
+when the client leaves, chat's default ``max_tokens`` (the rest of the context, bounded by the
+KV pool) and OpenAI's error body on unknown routes.
 
 The server runs with a small KV pool (``POOL`` rows), so a default-length request ends quickly
 and shows the pool bound; every request here fits it.
@@ -149,11 +149,27 @@ def test_chat_n(oai):
     assert contents == {c.index: c.message.content for c in out.choices}
 
 
-def test_best_of_equal_to_n_is_accepted(oai):
-    out = oai.completions.create(model=MODEL_NAME, prompt="Hi", n=2, best_of=2, max_tokens=2)
-    assert len(out.choices) == 2
+def test_best_of_returns_the_n_likeliest_samples(url, oai):
+    prompts = ["Best of: ", "Another best of: "]
+    out = oai.completions.create(model=MODEL_NAME, prompt=prompts, n=2, best_of=4,
+                                 max_tokens=8, temperature=1.0, seed=3,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 2 * 4 * 8  # every sample drawn counts, as OpenAI's
+    for i, prompt in enumerate(prompts):
+        samples = []  # (mean log-probability, token ids) of each seed's lone answer
+        for seed in range(3, 7):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": seed,
+                    "ignore_eos": True, "return_token_ids": True, "logprobs": 0}
+            choice = complete(url, body)["choices"][0]
+            logprobs = choice["logprobs"]["token_logprobs"]
+            samples.append((sum(logprobs) / len(logprobs), choice["token_ids"]))
+        best = [ids_ for _, ids_ in sorted(samples, key=lambda s: -s[0])[:2]]
+        assert [token_ids(c) for c in out.choices[2 * i:2 * i + 2]] == best
+    same = oai.completions.create(model=MODEL_NAME, prompt="Hi", n=2, best_of=2, max_tokens=2)
+    assert len(same.choices) == 2
     with pytest.raises(openai.BadRequestError) as info:
-        oai.completions.create(model=MODEL_NAME, prompt="Hi", n=1, best_of=3, max_tokens=2)
+        oai.completions.create(model=MODEL_NAME, prompt="Hi", n=3, best_of=2, max_tokens=2)
     assert info.value.body["param"] == "best_of"
 
 
