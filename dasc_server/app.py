@@ -143,6 +143,10 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
         if any(not 0 <= t < info.vocab_size for t in stop_token_ids):
             raise RequestError(f"stop_token_ids must lie in [0, {info.vocab_size})",
                                param="stop_token_ids")
+        bias = req.token_bias
+        if any(not 0 <= t < info.vocab_size for t in bias):
+            raise RequestError(f"logit_bias token ids must lie in [0, {info.vocab_size})",
+                               param="logit_bias")
         choices = []
         for prompt_index, prompt_ids in enumerate(prompt_batch(req)):
             try:
@@ -154,11 +158,17 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                 if num_prompts > 1:
                     e.message = f"prompt {prompt_index}: {e.message}"
                 raise
+            if req.min_tokens > max_tokens:
+                raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
+                                   f"({max_tokens})", param="min_tokens")
             for sample_index in range(num_samples):
                 sampling = SamplingParams(
                     max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                     top_k=max(req.top_k, 0), seed=sample_seed(req.seed, sample_index),
-                    stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos)
+                    stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
+                    logit_bias=bias, presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens)
                 choices.append(Choice(prompt_index * num_samples + sample_index, prompt_index,
                                       sample_index, engine.new_rid(), prompt_ids, sampling))
         return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,

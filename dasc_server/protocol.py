@@ -27,7 +27,6 @@ from pydantic import (
     StrictInt,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 INVALID_REQUEST = "invalid_request_error"
@@ -87,8 +86,6 @@ class _GenerationRequest(BaseModel):
 
     # field -> the values that mean "off" (the field declared as ``Any = None`` below)
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "logit_bias": (None, {}),  # pending: the sampler's logit controls
-        "min_tokens": (None, 0),  # pending: the sampler's logit controls
         "response_format": (None, {"type": "text"}),
         "min_p": (None, 0),
         "use_beam_search": (None, False),
@@ -116,12 +113,14 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
     return_token_ids: bool = False
+    # logit controls, applied by rank 0's sampler (OpenAI / vLLM semantics); token ids of
+    # logit_bias are checked against the vocabulary where the server's state is known
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
     # Accepted only at their neutral values: silently ignoring them would change the output.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: Any = None
-    min_tokens: Any = None
     response_format: Any = None
     min_p: Any = None
     use_beam_search: Any = None
@@ -149,14 +148,19 @@ class _GenerationRequest(BaseModel):
             raise ValueError("best_of > n cannot be streamed")
         return best_of
 
-    @model_validator(mode="after")
-    def _neutral_unsupported(self) -> _GenerationRequest:
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ValueError(f"{name} is not supported (only {neutral})")
-        return self
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must lie in [-100, 100], got {value}")
+        return bias
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     @property
     def stop_strings(self) -> list[str]:

@@ -261,10 +261,13 @@ def test_chat_max_completion_tokens_wins():
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "logprobs": 1}, "logprobs"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
-    ({"prompt": "x", "logit_bias": {"65": -100}}, "logit_bias"),
-    ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"65": -101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, None),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
 ])
 def test_bad_completion_bodies(body, param):
     with pytest.raises(ValidationError) as info:
@@ -395,7 +398,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("logprobs", True), ("top_logprobs", 2),
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 500}),
     ("reasoning_effort", "high"), ("chat_template_kwargs", {"enable_thinking": True}),
 ])
 def test_unsupported_chat_fields_are_named(field, value):

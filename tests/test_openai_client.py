@@ -222,3 +222,42 @@ def test_unknown_routes_answer_like_openai(url, oai):
     r = httpx.get(url + "/nowhere", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["message"] == "Invalid URL (GET /nowhere)"
     assert complete(url, {"prompt": "still there?", "max_tokens": 2})["choices"][0]["text"]
+
+
+# ---- logit controls ----------------------------------------------------------------------------
+
+def greedy(oai, prompt: str = "The sky is", max_tokens: int = 8, **extra) -> tuple[list, object]:
+    out = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                 temperature=0, extra_body={"return_token_ids": True,
+                                                            **extra.pop("extra_body", {})},
+                                 **extra)
+    return token_ids(out.choices[0]), out
+
+
+def test_logit_bias_bans_and_forces_tokens(oai):
+    plain, _ = greedy(oai, extra_body={"ignore_eos": True})
+    banned, _ = greedy(oai, logit_bias={str(plain[0]): -100}, extra_body={"ignore_eos": True})
+    assert banned[0] != plain[0]
+    forced, _ = greedy(oai, logit_bias={"65": 100}, extra_body={"ignore_eos": True})
+    assert forced == [65] * 8
+
+
+def test_min_tokens_holds_eos_back(url, oai):
+    eos = httpx.get(f"{url}/server_info", timeout=30).json()["eos_token_id"]
+    ids_, out = greedy(oai, logit_bias={str(eos): 100})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens <= 1
+    ids_, out = greedy(oai, logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
+    assert out.choices[0].finish_reason == "stop" and eos not in ids_[:4]
+    assert out.usage.completion_tokens == 5  # four held back, then the forced EOS
+
+
+def test_penalties_change_greedy_repetition(oai):
+    plain, _ = greedy(oai, max_tokens=24, extra_body={"ignore_eos": True})
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                  {"extra_body": {"repetition_penalty": 3.0}}):
+        body = dict(extra)
+        body["extra_body"] = {"ignore_eos": True, **body.get("extra_body", {})}
+        penalised, _ = greedy(oai, max_tokens=24, **body)
+        assert penalised != plain, extra
+        assert len(set(penalised)) > len(set(plain)), extra
