@@ -168,7 +168,8 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                     stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
                     logit_bias=bias, presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens)
+                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                    top_logprobs=req.num_top_logprobs)
                 choices.append(Choice(prompt_index * num_samples + sample_index, prompt_index,
                                       sample_index, engine.new_rid(), prompt_ids, sampling))
         return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,
@@ -176,7 +177,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                    return_token_ids=req.return_token_ids or tokenizer is None,
                    include_usage=req.include_usage, created=int(time.time()),
                    metrics=metrics, arrived=time.perf_counter(),
-                   logprobs=not is_chat and req.logprobs is not None,
+                   logprobs=req.wants_logprobs,
                    share_prompts=info.prefix_cache, num_returned=req.n)
 
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request

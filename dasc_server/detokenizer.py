@@ -20,6 +20,9 @@ U+FFFD, a partial stop string as plain text).
 
 from __future__ import annotations
 
+import codecs
+import functools
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -117,3 +120,62 @@ class IncrementalDetokenizer:
                     longest = k
                     break
         return longest
+
+
+# ---- single tokens, as OpenAI's logprobs name them ---------------------------------------------
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable bytes stand for themselves, the
+    others for 256 + their rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: b for b in printable}
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + len(chars) - len(printable)
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for (a special token: its name).  A byte-level BPE token may
+    hold part of a character, so its bytes, not ``decode([id])`` (U+FFFD), say which it is."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+    if byte_level and isinstance(piece, str) and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    match = _SENTENCEPIECE_BYTE.fullmatch(piece or "")
+    if match:
+        return bytes([int(match.group(1), 16)])
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text; part of a character is written as OpenAI writes it, ``bytes:\\xNN``."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class TextOffsets:
+    """``text_offset`` of each generated token: the characters of the completion before it,
+    counting a character once all its bytes have arrived."""
+
+    __slots__ = ("_decoder", "num_chars")
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = 0
+
+    def step(self, raw: bytes) -> int:
+        """The offset of the token with bytes ``raw``; then count its characters."""
+        offset = self.num_chars
+        self.num_chars += len(self._decoder.decode(raw))
+        return offset

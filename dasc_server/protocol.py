@@ -184,6 +184,7 @@ class _GenerationRequest(BaseModel):
 
 
 Prompt = str | list[StrictInt]
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on completions' logprobs and chat's top_logprobs
 
 
 class CompletionRequest(_GenerationRequest):
@@ -194,7 +195,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: Any = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top-k per token
     suffix: Any = None
 
     @field_validator("echo", "suffix")
@@ -211,13 +212,13 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("no prompt of a batch may be empty")
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _only_sampled_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs not in (None, 0):
-            raise ValueError("only logprobs=0 is supported: the log-probability of each "
-                             "generated token, without alternatives")
-        return logprobs
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -251,7 +252,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **_GenerationRequest.UNSUPPORTED,
-        "logprobs": (None, False), "top_logprobs": (None, 0),
         "tools": (None, []), "tool_choice": (None, "none", "auto"),
         "functions": (None, []), "function_call": (None, "none", "auto"),
         "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
@@ -263,8 +263,8 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -279,13 +279,28 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template: Any = None
     chat_template_kwargs: Any = None
 
-    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "functions",
-                     "function_call", "audio", "modalities", "prediction", "reasoning_effort",
-                     "web_search_options", "add_generation_prompt", "continue_final_message",
-                     "chat_template", "chat_template_kwargs")
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "audio",
+                     "modalities", "prediction", "reasoning_effort", "web_search_options",
+                     "add_generation_prompt", "continue_final_message", "chat_template",
+                     "chat_template_kwargs")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     @property
     def requested_max_tokens(self) -> int | None:

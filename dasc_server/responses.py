@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import Request
 
-from dasc_server.detokenizer import IncrementalDetokenizer
+from dasc_server.detokenizer import IncrementalDetokenizer, TextOffsets, token_bytes, token_text
 from dasc_server.engine_client import EngineClient, EngineDead
 from dasc_server.metrics import Metrics
 from dasc_server.protocol import RequestError
@@ -48,6 +48,7 @@ class Choice:
     sampling: SamplingParams
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    offsets: TextOffsets = field(default_factory=TextOffsets)  # completions' text_offset
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ class Job:
     stop: list[str]
     return_token_ids: bool
     include_usage: bool
-    logprobs: bool
+    logprobs: bool  # completions' ``logprobs`` set, or chat's ``logprobs: true``
     created: int
     metrics: Metrics
     arrived: float  # perf_counter() when the request was accepted
@@ -96,6 +97,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None  # set on the last delta only
+    top_ids: list[list[int]] = field(default_factory=list)  # as TokenOut's
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def engine_down(reason: str) -> RequestError:
@@ -136,7 +139,8 @@ async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job, choice:
                 if finish is not None:
                     job.metrics.e2e.observe(time.perf_counter() - job.arrived)
                     job.metrics.finished.labels(finish).inc()
-                yield Delta(text, list(out.token_ids), list(out.logprobs), finish)
+                yield Delta(text, list(out.token_ids), list(out.logprobs), finish,
+                            list(out.top_ids), list(out.top_logprobs))
                 if finish is not None:
                     return
     except (EngineDead, OSError) as e:
@@ -198,23 +202,50 @@ def _sse_frame(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _choice(job: Job, choice: Choice, body: dict, finish_reason: str | None,
-            token_ids: list[int], logprobs: list[float], with_prompt_ids: bool) -> dict:
-    """``logprobs`` (completions, ``logprobs: 0``): the generated tokens' log-probabilities
-    under the model (temperature 1); tokens are given by id as strings when no tokenizer."""
-    report = None
-    if job.logprobs:
-        report = {"tokens": [str(t) for t in token_ids], "token_logprobs": logprobs,
-                  "top_logprobs": None, "text_offset": None}
-    out = {"index": choice.index, **body, "logprobs": report, "finish_reason": finish_reason}
+def _choice(job: Job, choice: Choice, body: dict, got: Delta | _Collected,
+            tokenizer: Any | None, with_prompt_ids: bool) -> dict:
+    out = {"index": choice.index, **body, "finish_reason": got.finish_reason,
+           "logprobs": _logprobs(job, choice, got, tokenizer) if job.logprobs else None}
     if job.return_token_ids:
-        out["token_ids"] = token_ids
+        out["token_ids"] = got.token_ids
         if with_prompt_ids:
             out["prompt_token_ids"] = choice.prompt_ids
     return out
 
 
-def _chunk(job: Job, choice: Choice, delta: Delta, is_first: bool) -> dict:
+def _logprobs(job: Job, choice: Choice, got: Delta | _Collected, tokenizer: Any | None
+              ) -> dict:
+    """OpenAI's ``logprobs`` of the generated tokens, under the model (temperature 1).
+    Completions: token texts, their logprobs, maps text -> logprob of the likeliest tokens and
+    the sampled one (up to k + 1 entries, most likely first), and each token's offset in the
+    completion.  Chat: ``content``, one entry per token with its k likeliest alternatives.
+    A token that holds part of a character is written ``bytes:\\xNN``; tokens are their ids as
+    strings when there is no tokenizer."""
+    def raw(token_id: int) -> bytes:
+        return str(token_id).encode() if tokenizer is None else token_bytes(tokenizer, token_id)
+
+    tops = zip(got.top_ids or [[]] * len(got.token_ids),
+               got.top_logprobs or [[]] * len(got.token_ids), strict=True)
+    if job.is_chat:
+        def entry(token_id: int, logprob: float) -> dict:
+            b = raw(token_id)
+            return {"token": token_text(b), "logprob": logprob, "bytes": list(b)}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(*p) for p in zip(*top)]}
+                            for t, lp, top in zip(got.token_ids, got.logprobs, tops)]}
+    maps = []
+    for t, lp, (top_ids, top_lps) in zip(got.token_ids, got.logprobs, tops):
+        ranked = sorted({**dict(zip(top_ids, top_lps)), t: lp}.items(), key=lambda p: -p[1])
+        maps.append({})
+        for token_id, logprob in ranked:
+            maps[-1].setdefault(token_text(raw(token_id)), logprob)
+    return {"tokens": [token_text(raw(t)) for t in got.token_ids],
+            "token_logprobs": got.logprobs, "top_logprobs": maps,
+            "text_offset": [choice.offsets.step(raw(t)) for t in got.token_ids]}
+
+
+def _chunk(job: Job, choice: Choice, delta: Delta, tokenizer: Any | None, is_first: bool
+           ) -> dict:
     if job.is_chat:
         message: dict[str, str] = {"role": "assistant"} if is_first else {}
         if delta.text or is_first:
@@ -222,8 +253,7 @@ def _chunk(job: Job, choice: Choice, delta: Delta, is_first: bool) -> dict:
         body: dict[str, Any] = {"delta": message}
     else:
         body = {"text": delta.text}
-    out = _choice(job, choice, body, delta.finish_reason, delta.token_ids, delta.logprobs,
-                  with_prompt_ids=is_first)
+    out = _choice(job, choice, body, delta, tokenizer, with_prompt_ids=is_first)
     return {**job.envelope(chunk=True), "choices": [out]}
 
 
@@ -234,11 +264,13 @@ async def sse_frames(engine: EngineClient, tokenizer: Any | None, job: Job) -> A
     try:
         async with aclosing(_all_deltas(engine, tokenizer, job)) as deltas:
             async for choice, delta in deltas:
-                # Chunks without text would give clients a first "token" that is not one.
-                has_ids = job.return_token_ids and delta.token_ids
+                # Chunks without text would give clients a first "token" that is not one,
+                # unless they carry the token (its id, its logprobs).
+                has_ids = (job.return_token_ids or job.logprobs) and delta.token_ids
                 if not (delta.text or delta.finish_reason or has_ids):
                     continue
-                yield _sse_frame(_chunk(job, choice, delta, choice.index not in started))
+                yield _sse_frame(_chunk(job, choice, delta, tokenizer,
+                                        choice.index not in started))
                 started.add(choice.index)
     except RequestError as e:
         yield _sse_frame(e.body())
@@ -255,6 +287,8 @@ class _Collected:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def _best(job: Job, collected: dict[int, _Collected]) -> list[tuple[Choice, _Collected]]:
@@ -287,14 +321,15 @@ async def complete_body(engine: EngineClient, tokenizer: Any | None, job: Job) -
             got.texts.append(delta.text)
             got.token_ids.extend(delta.token_ids)
             got.logprobs.extend(delta.logprobs)
+            got.top_ids.extend(delta.top_ids)
+            got.top_logprobs.extend(delta.top_logprobs)
             got.finish_reason = delta.finish_reason
     choices = []
     for choice, got in _best(job, collected):
         text = "".join(got.texts)
         body = ({"message": {"role": "assistant", "content": text}} if job.is_chat
                 else {"text": text})
-        choices.append(_choice(job, choice, body, got.finish_reason, got.token_ids,
-                               got.logprobs, with_prompt_ids=True))
+        choices.append(_choice(job, choice, body, got, tokenizer, with_prompt_ids=True))
     return {**job.envelope(chunk=False), "choices": choices, "usage": job.usage()}
 
 

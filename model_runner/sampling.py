@@ -1,5 +1,7 @@
 """Token sampling on rank 0: greedy, temperature, top-k, top-p, reproducible per request, and
-the logit controls (logit_bias, presence/frequency/repetition penalties, min_tokens).
+the logit controls (logit_bias, presence/frequency/repetition penalties, min_tokens), and the
+log-probabilities OpenAI reports (the sampled token's, and the k likeliest tokens' for requests
+that ask for them).
 
 Each sampled token gets its own generator seeded from (request seed, output position), so a
 request's tokens do not depend on which other requests share its batch; the logit controls
@@ -7,6 +9,8 @@ keep that property because each one reads only its own request's row and history
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -93,12 +97,23 @@ class LogitControlTable:
         return out if any(ctl is not None for ctl in out) else None
 
 
+class Sampled(NamedTuple):
+    """Rank 0's answer for the sampled rows of a batch, in row order.  Log-probabilities are
+    the model's (log-softmax at temperature 1, no truncation, no logit controls), as OpenAI
+    reports them."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token
+    # each row's ``num_top_logprobs`` likeliest tokens, most likely first ([] for a row that
+    # asks for none); both lists are empty when no row of the batch asks
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 def sample_tokens(logits: torch.Tensor, specs: list[Sample],
-                  controls: list[RequestControls | None] | None = None
-                  ) -> tuple[list[int], list[float]]:
-    """logits [B, vocab] (one row per spec) -> one token per row and its log-probability
-    under the model's distribution (temperature 1, no truncation, no logit controls), as
-    OpenAI reports it.  ``controls`` (one per row, from ``LogitControlTable.for_batch``)
+                  controls: list[RequestControls | None] | None = None) -> Sampled:
+    """logits [B, vocab] (one row per spec) -> one token per row and the log-probabilities
+    ``Sampled`` describes.  ``controls`` (one per row, from ``LogitControlTable.for_batch``)
     change the logits a row samples from, and record the token sampled."""
     greedy = logits.argmax(dim=-1).tolist()
     tokens = []
@@ -112,7 +127,23 @@ def sample_tokens(logits: torch.Tensor, specs: list[Sample],
             ctl.record(tokens[-1])
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, vocab]
     picked = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
-    return tokens, picked.squeeze(1).tolist()
+    top_ids, top_values = top_logprobs(logprobs, [spec.num_top_logprobs for spec in specs])
+    return Sampled(tokens, picked.squeeze(1).tolist(), top_ids, top_values)
+
+
+def top_logprobs(logprobs: torch.Tensor, ks: list[int]
+                 ) -> tuple[list[list[int]], list[list[float]]]:
+    """logprobs [B, vocab], k per row -> each row's k likeliest token ids and their
+    log-probabilities, most likely first; ([], []) when every k is 0, so batches without such
+    requests pay one scan of ``ks``.  Row by row: a row's answer never depends on its batch."""
+    if not any(ks):
+        return [], []
+    ids, values = [], []
+    for row, k in zip(logprobs, ks, strict=True):
+        top = row.topk(min(k, row.numel())) if k > 0 else None
+        ids.append(top.indices.tolist() if top is not None else [])
+        values.append(top.values.tolist() if top is not None else [])
+    return ids, values
 
 
 def _sample_row(row: torch.Tensor, spec: Sample) -> int:

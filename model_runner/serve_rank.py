@@ -29,7 +29,7 @@ from model_runner.cpu_features import emulated_bf16_note
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
 from model_runner.rank_args import add_rank_args
 from model_runner.runner import ModelRunner, RunnerConfig
-from model_runner.sampling import LogitControlTable, sample_tokens
+from model_runner.sampling import LogitControlTable, Sampled, sample_tokens
 from scheduler import ipc
 from scheduler.messages import BatchPlan, RankInfo, RowTables, SeqStep, Shutdown, StepResult
 from scheduler.scheduler import active_state_slots
@@ -129,7 +129,14 @@ def row_tables(runner: ModelRunner) -> RowTables:
 
 def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
             controls: LogitControlTable | None = None) -> tuple[list[int], list[float]]:
-    """Run one plan in the order BatchPlan documents; rank 0's sampled tokens, logprobs.
+    """``execute_plan``'s sampled tokens and their logprobs, without the top logprobs."""
+    sampled = execute_plan(runner, plan, tables, controls)
+    return sampled.token_ids, sampled.logprobs
+
+
+def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
+                 controls: LogitControlTable | None = None) -> Sampled:
+    """Run one plan in the order BatchPlan documents; what rank 0 sampled (empty elsewhere).
     ``tables`` comes from ``row_tables`` (checked on arrival) and the token ids from the
     scheduler, which checks every prompt, and the sampler.  ``controls``: rank 0's logit
     controls, kept across plans like the row tables (None: a fresh table for this plan)."""
@@ -148,8 +155,7 @@ def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
     if plan.refresh:
         runner.refresh_omitted([seq(s) for s in plan.refresh], plan.refresh_scratch,
                                inputs_checked=True)
-    tokens: list[int] = []
-    logprobs: list[float] = []
+    sampled = Sampled([], [], [], [])
     if plan.seqs:
         logits = runner.forward([seq(s) for s in plan.seqs], inputs_checked=True)
         if runner.tp.is_first:
@@ -158,11 +164,10 @@ def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
                 specs = [plan.seqs[i].sample for i in rows]
                 rids = [plan.seqs[i].rid for i in rows]
                 batch = logits[rows]
-                tokens, logprobs = sample_tokens(batch, specs,
-                                                 controls.for_batch(rids, specs, batch))
+                sampled = sample_tokens(batch, specs, controls.for_batch(rids, specs, batch))
     if plan.stores_after:
         runner.store_checkpoints(*_unzip(plan.stores_after))
-    return tokens, logprobs
+    return sampled
 
 
 def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -180,10 +185,11 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         if isinstance(msg, Shutdown):
             return
         started = time.perf_counter()
-        tokens, logprobs = execute(runner, msg, tables, controls)
+        sampled = execute_plan(runner, msg, tables, controls)
         if tp.is_first:
-            ipc.send(conn, StepResult(msg.step_id, tokens, time.perf_counter() - started,
-                                      logprobs))
+            ipc.send(conn, StepResult(msg.step_id, sampled.token_ids,
+                                      time.perf_counter() - started, sampled.logprobs,
+                                      sampled.top_ids, sampled.top_logprobs))
 
 
 def _next_plan(conn) -> object:

@@ -30,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2], per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens; 1 = off
     min_tokens: int = 0  # EOS and stop_token_ids banned before this many tokens
+    top_logprobs: int = 0  # the likeliest tokens reported with each sampled one (0: none)
 
     @property
     def has_logit_controls(self) -> bool:
@@ -74,6 +75,10 @@ class TokenOut:
     rid: str
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)  # one per token, model distribution
+    # one per token when the request asks for top logprobs (else empty): the likeliest
+    # ``SamplingParams.top_logprobs`` tokens and their logprobs, most likely first
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
@@ -190,6 +195,7 @@ class Sample:
     seed: int  # with ``index``: one generator per (request, output position)
     index: int
     controls: LogitControls | None = None  # index 0 of a request that has any
+    num_top_logprobs: int = 0  # report this many likeliest tokens with the sampled one
 
 
 @dataclass(slots=True)
@@ -259,6 +265,10 @@ class StepResult:
     token_ids: list[int]  # one per sequence with a ``sample``, in plan order
     compute_s: float  # rank 0's wall time for the step (store/load/refresh/forward/sample)
     logprobs: list[float] = field(default_factory=list)  # of each sampled token, temperature 1
+    # per sampled token, its row's ``num_top_logprobs`` likeliest tokens ([] for a row that
+    # asks for none); both empty when no row of the step asks
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 MESSAGE_TYPES = (

@@ -265,7 +265,8 @@ class Scheduler:
         sample = None
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
-            sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output))
+            sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output),
+                            num_top_logprobs=s.top_logprobs)
             if not r.output and s.has_logit_controls:
                 sample.controls = self._controls(r)
         plan.seqs.append(SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot,
@@ -296,6 +297,7 @@ class Scheduler:
     def process_result(self, result: StepResult) -> list[TokenOut]:
         outs: list[TokenOut] = []
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        tops = iter(zip(result.top_ids, result.top_logprobs, strict=True))
         for r, n, is_sampled in self._inflight:
             r.computed += n
             if r.pending_store is not None:
@@ -305,11 +307,15 @@ class Scheduler:
             if not is_sampled:
                 continue
             token, logprob = next(sampled)
+            top_ids, top_logprobs = next(tops, ([], []))
             r.output.append(token)
             reason = self._finish_reason(r, token)
-            outs.append(TokenOut(r.rid, [token], [logprob], finished=reason is not None,
-                                 finish_reason=reason, prompt_tokens=len(r.prompt),
-                                 cached_tokens=r.hit_len))
+            out = TokenOut(r.rid, [token], [logprob], finished=reason is not None,
+                           finish_reason=reason, prompt_tokens=len(r.prompt),
+                           cached_tokens=r.hit_len)
+            if r.sampling.top_logprobs:
+                out.top_ids, out.top_logprobs = [top_ids], [top_logprobs]
+            outs.append(out)
             if reason is not None:
                 self._finish(r, reason)
         self._inflight = []

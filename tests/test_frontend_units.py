@@ -259,7 +259,8 @@ def test_chat_max_completion_tokens_wins():
     ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": [[1], "x"]}, "prompt"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({"prompt": "x", "logit_bias": {"65": -101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
@@ -282,7 +283,7 @@ def test_bad_completion_bodies(body, param):
     {"messages": []},
     {"messages": [{"role": "", "content": "x"}]},
     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
-    {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+    {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
 ])
 def test_bad_chat_bodies(body):
     with pytest.raises(ValidationError):
@@ -397,7 +398,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("functions", [{"name": "f"}]), ("logprobs", True), ("top_logprobs", 2),
+    ("functions", [{"name": "f"}]), ("top_logprobs", 2), ("top_logprobs", 21),
     ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 500}),
     ("reasoning_effort", "high"), ("chat_template_kwargs", {"enable_thinking": True}),
 ])

@@ -59,19 +59,19 @@ def test_bias_minus_100_bans_the_greedy_token_and_plus_100_forces_one():
     best = int(logits.argmax())
     worst = int(logits.argmin())
     banned = history(controls({best: -100.0}), [])
-    tokens, _ = sample_tokens(logits, [spec(0)], [banned])
+    tokens, *_ = sample_tokens(logits, [spec(0)], [banned])
     assert tokens[0] != best and tokens[0] == int(reference(logits[0], banned.c, [], []).argmax())
     for temperature, top_p, top_k in ((0.0, 1.0, 0), (1.0, 1.0, 0), (1.5, 0.9, 5)):
         for seed in range(5):
             forced = history(controls({worst: 100.0}), [])
-            tokens, logprobs = sample_tokens(logits, [spec(0, temperature, seed, top_p, top_k)],
-                                             [forced])
+            specs = [spec(0, temperature, seed, top_p, top_k)]
+            tokens, logprobs, *_ = sample_tokens(logits, specs, [forced])
             assert tokens == [worst]
             # logprobs stay the model's own (no controls), as without any
             assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0, worst]))
     for seed in range(20):  # sampled: a banned token never comes out
         ctl = history(controls({best: -100.0}), [])
-        tokens, _ = sample_tokens(logits, [spec(0, 2.0, seed)], [ctl])
+        tokens, *_ = sample_tokens(logits, [spec(0, 2.0, seed)], [ctl])
         assert tokens[0] != best
 
 
@@ -99,8 +99,8 @@ def test_penalised_logits_equal_the_direct_computation(name, num_out):
     # through the sampler: greedy and seeded sampling pick what the reference logits give
     for temperature, seed in ((0.0, 0), (1.0, 1), (0.7, 2), (1.3, 3)):
         s = spec(num_out, temperature, seed, top_k=10 if seed == 3 else 0)
-        tokens, _ = sample_tokens(logits, [s], [history(c, output)])
-        expect, _ = sample_tokens(ref[None], [s])
+        tokens, *_ = sample_tokens(logits, [s], [history(c, output)])
+        expect, *_ = sample_tokens(ref[None], [s])
         assert tokens == expect
 
 
@@ -143,7 +143,7 @@ def run_table(rows: dict[str, tuple[LogitControls | None, float]], steps: int,
         specs = [spec(step, rows[rid][1], seed_of[rid], c=rows[rid][0] if step == 0 else None)
                  for rid in rids]
         logits = torch.cat([random_logits(seed_of[rid] * 1000 + step) for rid in rids])
-        tokens, _ = sample_tokens(logits, specs, table.for_batch(rids, specs, logits))
+        tokens, *_ = sample_tokens(logits, specs, table.for_batch(rids, specs, logits))
         for rid, t in zip(rids, tokens):
             out[rid].append(t)
     return out
@@ -165,9 +165,9 @@ def test_a_requests_tokens_do_not_depend_on_its_batch():
     logits = random_logits(5, rows=3)
     specs = [spec(0, 0.0), spec(0, 1.0, 9, c=a), spec(0, 0.9, 4, top_p=0.8)]
     table = LogitControlTable()
-    mixed, mixed_lp = sample_tokens(logits, specs, table.for_batch(["x", "y", "z"], specs,
-                                                                   logits))
-    plain, plain_lp = sample_tokens(logits[[0, 2]], [specs[0], specs[2]])
+    rows_controls = table.for_batch(["x", "y", "z"], specs, logits)
+    mixed, mixed_lp, *_ = sample_tokens(logits, specs, rows_controls)
+    plain, plain_lp, *_ = sample_tokens(logits[[0, 2]], [specs[0], specs[2]])
     assert [mixed[0], mixed[2]] == plain and [mixed_lp[0], mixed_lp[2]] == plain_lp
 
 
@@ -180,7 +180,7 @@ def test_table_keeps_controls_until_release_and_checks_the_position():
     first = [spec(0, c=controls({ban: -100.0})), spec(0)]
     got = table.for_batch(["p", "q"], first, logits)
     assert got[1] is None and len(table) == 1
-    tokens, _ = sample_tokens(logits, first, got)
+    tokens, *_ = sample_tokens(logits, first, got)
     later = [spec(1), spec(1)]  # no controls travel after the first sample
     got = table.for_batch(["p", "q"], later, logits)
     assert got[0] is not None and got[0].num_sampled == 1
