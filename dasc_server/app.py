@@ -147,6 +147,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
         if any(not 0 <= t < info.vocab_size for t in bias):
             raise RequestError(f"logit_bias token ids must lie in [0, {info.vocab_size})",
                                param="logit_bias")
+        echo = not is_chat and bool(req.echo)
         choices = []
         for prompt_index, prompt_ids in enumerate(prompt_batch(req)):
             try:
@@ -169,7 +170,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                     logit_bias=bias, presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                    top_logprobs=req.num_top_logprobs)
+                    top_logprobs=req.num_top_logprobs, prompt_logprobs=echo and req.wants_logprobs)
                 choices.append(Choice(prompt_index * num_samples + sample_index, prompt_index,
                                       sample_index, engine.new_rid(), prompt_ids, sampling))
         return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,
@@ -177,7 +178,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                    return_token_ids=req.return_token_ids or tokenizer is None,
                    include_usage=req.include_usage, created=int(time.time()),
                    metrics=metrics, arrived=time.perf_counter(),
-                   logprobs=req.wants_logprobs,
+                   logprobs=req.wants_logprobs, echo=echo,
                    share_prompts=info.prefix_cache, num_returned=req.n)
 
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request

@@ -24,6 +24,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationInfo,
     field_validator,
@@ -191,14 +192,14 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt (text or token ids) or a batch of them."""
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_GenerationRequest.UNSUPPORTED, "echo": (None, False), "suffix": (None, "")}
+        **_GenerationRequest.UNSUPPORTED, "suffix": (None, "")}
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    echo: Any = None
+    echo: StrictBool | None = False  # the prompt before the completion (and its logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top-k per token
     suffix: Any = None
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])

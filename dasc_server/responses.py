@@ -30,7 +30,7 @@ from dasc_server.detokenizer import IncrementalDetokenizer, TextOffsets, token_b
 from dasc_server.engine_client import EngineClient, EngineDead
 from dasc_server.metrics import Metrics
 from dasc_server.protocol import RequestError
-from scheduler.messages import SamplingParams
+from scheduler.messages import SamplingParams, TokenOut
 
 DONE_FRAME = "data: [DONE]\n\n"
 
@@ -69,6 +69,7 @@ class Job:
     share_prompts: bool = True  # hold samples j > 0 until sample 0 has cached the prompt
     num_returned: int = 1  # choices per prompt in the answer (n); fewer than drawn: best_of
     primed: dict[int, asyncio.Event] = field(default_factory=dict)  # by prompt index
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
 
     def envelope(self, chunk: bool) -> dict:
         if self.is_chat:
@@ -99,6 +100,11 @@ class Delta:
     finish_reason: str | None  # set on the last delta only
     top_ids: list[list[int]] = field(default_factory=list)  # as TokenOut's
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # echo, first delta only: the prompt's ids and (with logprobs) TokenOut's prompt_* fields
+    echo_ids: list[int] = field(default_factory=list)
+    echo_logprobs: list[float] = field(default_factory=list)
+    echo_top_ids: list[list[int]] = field(default_factory=list)
+    echo_top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def engine_down(reason: str) -> RequestError:
@@ -113,7 +119,7 @@ async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job, choice:
     primed = job.primed.get(choice.prompt_index) if job.share_prompts else None
     if primed is not None and choice.sample_index > 0:
         await primed.wait()
-    finish = None
+    finish, echoed = None, not job.echo
     try:
         frames = engine.generate(choice.rid, choice.prompt_ids, choice.sampling)
         async with aclosing(frames):
@@ -139,8 +145,12 @@ async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job, choice:
                 if finish is not None:
                     job.metrics.e2e.observe(time.perf_counter() - job.arrived)
                     job.metrics.finished.labels(finish).inc()
-                yield Delta(text, list(out.token_ids), list(out.logprobs), finish,
-                            list(out.top_ids), list(out.top_logprobs))
+                delta = Delta(text, list(out.token_ids), list(out.logprobs), finish,
+                              list(out.top_ids), list(out.top_logprobs))
+                if not echoed:
+                    echoed = True
+                    _echo(delta, out, choice.prompt_ids, tokenizer)
+                yield delta
                 if finish is not None:
                     return
     except (EngineDead, OSError) as e:
@@ -156,6 +166,17 @@ async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job, choice:
             primed.set()  # whatever happened, the other samples need not wait any longer
         if finish is None:  # the consumer left before the end: the request was aborted
             job.metrics.aborted.inc()
+
+
+def _echo(delta: Delta, out: TokenOut, prompt_ids: list[int], tokenizer: Any | None) -> None:
+    """Put the prompt before the first delta: its text (none without a tokenizer), its ids
+    and the prompt logprobs its frame carries."""
+    if tokenizer is not None:
+        delta.text = tokenizer.decode(prompt_ids, skip_special_tokens=True) + delta.text
+    delta.echo_ids = list(prompt_ids)
+    delta.echo_logprobs = list(out.prompt_logprobs)
+    delta.echo_top_ids = list(out.prompt_top_ids)
+    delta.echo_top_logprobs = list(out.prompt_top_logprobs)
 
 
 async def _all_deltas(engine: EngineClient, tokenizer: Any | None, job: Job
@@ -233,15 +254,25 @@ def _logprobs(job: Job, choice: Choice, got: Delta | _Collected, tokenizer: Any 
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(*p) for p in zip(*top)]}
                             for t, lp, top in zip(got.token_ids, got.logprobs, tops)]}
-    maps = []
-    for t, lp, (top_ids, top_lps) in zip(got.token_ids, got.logprobs, tops):
-        ranked = sorted({**dict(zip(top_ids, top_lps)), t: lp}.items(), key=lambda p: -p[1])
+    entries = list(zip(got.token_ids, got.logprobs, tops))
+    if got.echo_ids:  # the prompt's first token has no logprob (nothing predicts it)
+        num = len(got.echo_ids) - 1
+        echo_tops = zip(got.echo_top_ids or [[]] * num, got.echo_top_logprobs or [[]] * num,
+                        strict=True)
+        prompt = list(zip(got.echo_ids[1:], got.echo_logprobs or [None] * num, echo_tops))
+        entries = [(got.echo_ids[0], None, None), *prompt, *entries]
+    maps: list[dict | None] = []
+    for t, lp, top in entries:
+        if lp is None:
+            maps.append(None)
+            continue
+        ranked = sorted({**dict(zip(*top)), t: lp}.items(), key=lambda p: -p[1])
         maps.append({})
         for token_id, logprob in ranked:
             maps[-1].setdefault(token_text(raw(token_id)), logprob)
-    return {"tokens": [token_text(raw(t)) for t in got.token_ids],
-            "token_logprobs": got.logprobs, "top_logprobs": maps,
-            "text_offset": [choice.offsets.step(raw(t)) for t in got.token_ids]}
+    return {"tokens": [token_text(raw(t)) for t, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": maps,
+            "text_offset": [choice.offsets.step(raw(t)) for t, _, _ in entries]}
 
 
 def _chunk(job: Job, choice: Choice, delta: Delta, tokenizer: Any | None, is_first: bool
@@ -289,6 +320,10 @@ class _Collected:
     finish_reason: str | None = None
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    echo_ids: list[int] = field(default_factory=list)  # as Delta's
+    echo_logprobs: list[float] = field(default_factory=list)
+    echo_top_ids: list[list[int]] = field(default_factory=list)
+    echo_top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def _best(job: Job, collected: dict[int, _Collected]) -> list[tuple[Choice, _Collected]]:
@@ -323,6 +358,10 @@ async def complete_body(engine: EngineClient, tokenizer: Any | None, job: Job) -
             got.logprobs.extend(delta.logprobs)
             got.top_ids.extend(delta.top_ids)
             got.top_logprobs.extend(delta.top_logprobs)
+            if delta.echo_ids:
+                got.echo_ids, got.echo_logprobs = delta.echo_ids, delta.echo_logprobs
+                got.echo_top_ids, got.echo_top_logprobs = (delta.echo_top_ids,
+                                                           delta.echo_top_logprobs)
             got.finish_reason = delta.finish_reason
     choices = []
     for choice, got in _best(job, collected):

@@ -108,6 +108,25 @@ class Sampled(NamedTuple):
     # asks for none); both lists are empty when no row of the batch asks
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+    # prompt logprobs of the step's sequences that ask (``target_logprobs``), in plan order;
+    # left empty by ``sample_tokens``
+    target_logprobs: list[list[float]] = []
+    target_top_ids: list[list[list[int]]] = []
+    target_top_logprobs: list[list[list[float]]] = []
+
+
+def target_logprobs(logits: torch.Tensor, targets: list[int], k: int
+                    ) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """logits [n, vocab] of consecutive positions, the token that follows each (n of them)
+    -> each target's logprob and, per row, the k likeliest ids and logprobs (as
+    ``top_logprobs``; [] per row when k is 0).  The model's distribution, as ``Sampled``'s."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device)[:, None]
+    picked = logprobs.gather(1, index).squeeze(1).tolist()
+    top_ids, top_values = top_logprobs(logprobs, [k] * len(targets))
+    if not k:
+        top_ids, top_values = [[] for _ in targets], [[] for _ in targets]
+    return picked, top_ids, top_values
 
 
 def sample_tokens(logits: torch.Tensor, specs: list[Sample],

@@ -29,7 +29,7 @@ from model_runner.cpu_features import emulated_bf16_note
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
 from model_runner.rank_args import add_rank_args
 from model_runner.runner import ModelRunner, RunnerConfig
-from model_runner.sampling import LogitControlTable, Sampled, sample_tokens
+from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
 from scheduler import ipc
 from scheduler.messages import BatchPlan, RankInfo, RowTables, SeqStep, Shutdown, StepResult
 from scheduler.scheduler import active_state_slots
@@ -157,17 +157,56 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
                                inputs_checked=True)
     sampled = Sampled([], [], [], [])
     if plan.seqs:
-        logits = runner.forward([seq(s) for s in plan.seqs], inputs_checked=True)
+        # echo: every position's logits, only in steps with a sequence that asks (lm_head
+        # over all the step's tokens; rank 0 reads only the rows that asked)
+        all_logits = any(s.logprob_targets for s in plan.seqs)
+        logits = runner.forward([seq(s) for s in plan.seqs], all_logits=all_logits,
+                                inputs_checked=True)
         if runner.tp.is_first:
+            if all_logits:
+                logits, sampled = _last_rows(logits, plan.seqs), _targets(logits, plan.seqs)
             rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
             if rows:
                 specs = [plan.seqs[i].sample for i in rows]
                 rids = [plan.seqs[i].rid for i in rows]
                 batch = logits[rows]
-                sampled = sample_tokens(batch, specs, controls.for_batch(rids, specs, batch))
+                got = sample_tokens(batch, specs, controls.for_batch(rids, specs, batch))
+                sampled = got._replace(target_logprobs=sampled.target_logprobs,
+                                       target_top_ids=sampled.target_top_ids,
+                                       target_top_logprobs=sampled.target_top_logprobs)
     if plan.stores_after:
         runner.store_checkpoints(*_unzip(plan.stores_after))
     return sampled
+
+
+def _starts(seqs: list[SeqStep]) -> list[int]:
+    """Row of each sequence's first token in all-logits order (sequence-major)."""
+    starts, row = [], 0
+    for s in seqs:
+        starts.append(row)
+        row += len(s.token_ids)
+    return starts
+
+
+def _last_rows(logits: torch.Tensor, seqs: list[SeqStep]) -> torch.Tensor:
+    """[num_tokens, vocab] -> [num_seqs, vocab]: each sequence's last token."""
+    last = [start + len(s.token_ids) - 1 for start, s in zip(_starts(seqs), seqs)]
+    return logits[torch.tensor(last, dtype=torch.long, device=logits.device)]
+
+
+def _targets(logits: torch.Tensor, seqs: list[SeqStep]) -> Sampled:
+    """Prompt logprobs of the sequences with ``logprob_targets``: row start + i predicts
+    target i."""
+    lps, top_ids, top_lps = [], [], []
+    for start, s in zip(_starts(seqs), seqs):
+        if s.logprob_targets:
+            n = len(s.logprob_targets)
+            got = target_logprobs(logits[start : start + n], s.logprob_targets,
+                                  s.num_top_targets)
+            lps.append(got[0])
+            top_ids.append(got[1])
+            top_lps.append(got[2])
+    return Sampled([], [], [], [], lps, top_ids, top_lps)
 
 
 def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -189,7 +228,9 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         if tp.is_first:
             ipc.send(conn, StepResult(msg.step_id, sampled.token_ids,
                                       time.perf_counter() - started, sampled.logprobs,
-                                      sampled.top_ids, sampled.top_logprobs))
+                                      sampled.top_ids, sampled.top_logprobs,
+                                      sampled.target_logprobs, sampled.target_top_ids,
+                                      sampled.target_top_logprobs))
 
 
 def _next_plan(conn) -> object:

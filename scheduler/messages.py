@@ -31,6 +31,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens; 1 = off
     min_tokens: int = 0  # EOS and stop_token_ids banned before this many tokens
     top_logprobs: int = 0  # the likeliest tokens reported with each sampled one (0: none)
+    # echo: also the logprobs (and ``top_logprobs`` likeliest) of prompt tokens [1, n); such a
+    # request prefills its whole prompt (the cache keeps no logits), storing checkpoints still
+    prompt_logprobs: bool = False
 
     @property
     def has_logit_controls(self) -> bool:
@@ -79,6 +82,11 @@ class TokenOut:
     # ``SamplingParams.top_logprobs`` tokens and their logprobs, most likely first
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # with ``SamplingParams.prompt_logprobs``, on the first frame only: the logprobs of prompt
+    # tokens [1, n) and (``top_logprobs`` > 0) their top ids / logprobs, as the fields above
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
@@ -209,6 +217,10 @@ class SeqStep:
     prefix_len: int
     state_slot: int
     sample: Sample | None = None
+    # prompt logprobs: the tokens that follow token_ids[: len(targets)] (the prompt tokens at
+    # positions [prefix_len + 1, ...)), and how many likeliest tokens to report with each
+    logprob_targets: list[int] = field(default_factory=list)
+    num_top_targets: int = 0
 
 
 @dataclass(slots=True)
@@ -269,6 +281,11 @@ class StepResult:
     # asks for none); both empty when no row of the step asks
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # per sequence with ``logprob_targets``, in plan order: each target's logprob, and its
+    # row's ``num_top_targets`` likeliest ids and logprobs ([] per target when 0)
+    target_logprobs: list[list[float]] = field(default_factory=list)
+    target_top_ids: list[list[list[int]]] = field(default_factory=list)
+    target_top_logprobs: list[list[list[float]]] = field(default_factory=list)
 
 
 MESSAGE_TYPES = (

@@ -26,6 +26,11 @@ class Req:
     hit_len: int = 0  # tokens restored from the cache at admission (usage.cached_tokens)
     pending_store: tuple[int, int] | None = None  # (boundary, checkpoint slot) of this step
     finish_reason: str | None = None
+    # SamplingParams.prompt_logprobs: what the prefill steps returned so far, sent (and
+    # dropped) with the first token's frame
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
 
     @property
     def all_tokens(self) -> list[int]:

@@ -10,6 +10,9 @@ Checkpoint boundaries of a request (only where the tree has no checkpoint yet):
     (SGLang #21158); a prefill chunk always ends at the next such boundary.
 On finish the state after every processed token (prompt + output[:-1]) is cached too, so the
 next turn of a conversation hits.
+
+Prompt logprobs (echo): the cache holds states and KV, not logits, so a request that asks for
+them matches nothing and prefills its whole prompt; its boundaries still store checkpoints.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._stores_before: list[tuple[int, int]] = []
-        self._inflight: list[tuple[Req, int, bool]] = []  # (request, new tokens, sampled)
+        # (request, new tokens, sampled, prompt logprobs asked)
+        self._inflight: list[tuple[Req, int, bool, bool]] = []
         self._new_tables: dict[str, Req] = {}  # row tables the next plan carries
         self._released: list[str] = []  # ended requests whose tables the next plan drops
         self._live: set[str] = set()  # ids of waiting and running requests
@@ -190,7 +194,7 @@ class Scheduler:
             if r.hit_len:
                 ckpt_locked.append(r.node)
             budget -= self._add_chunk(plan, r, budget)
-        for r, n, _ in self._inflight:  # after every match: stores never feed this step's loads
+        for r, n, _, _ in self._inflight:  # after every match: stores never feed this step's loads
             if r.is_prefilling:
                 self._plan_store(plan, r, r.computed + n)
         for node in ckpt_locked:
@@ -211,8 +215,8 @@ class Scheduler:
         if self.slots.num_free == 0:
             return False
         cache = self.cache
-        hit = (cache.match(r.prompt, len(r.prompt) - 1) if self.cfg.prefix_cache
-               else cache.match([], 0))
+        can_hit = self.cfg.prefix_cache and not r.sampling.prompt_logprobs
+        hit = cache.match(r.prompt, len(r.prompt) - 1) if can_hit else cache.match([], 0)
         cache.lock(hit.node)
         rows = cache.alloc_rows(r.max_processed - hit.length)
         if rows is None:
@@ -269,9 +273,13 @@ class Scheduler:
                             num_top_logprobs=s.top_logprobs)
             if not r.output and s.has_logit_controls:
                 sample.controls = self._controls(r)
-        plan.seqs.append(SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot,
-                                 sample))
-        self._inflight.append((r, end - r.computed, sample is not None))
+        step = SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot, sample)
+        if r.sampling.prompt_logprobs:  # the prompt tokens after this chunk's tokens
+            step.logprob_targets = r.prompt[r.computed + 1 : min(end + 1, len(r.prompt))]
+            step.num_top_targets = r.sampling.top_logprobs
+        plan.seqs.append(step)
+        self._inflight.append((r, end - r.computed, sample is not None,
+                               bool(step.logprob_targets)))
 
     def _controls(self, r: Req) -> LogitControls:
         """What rank 0 keeps for the request; only ids inside the vocabulary are banned (a stop
@@ -298,8 +306,16 @@ class Scheduler:
         outs: list[TokenOut] = []
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
         tops = iter(zip(result.top_ids, result.top_logprobs, strict=True))
-        for r, n, is_sampled in self._inflight:
+        targets = iter(zip(result.target_logprobs, result.target_top_ids,
+                           result.target_top_logprobs, strict=True))
+        for r, n, is_sampled, has_targets in self._inflight:
             r.computed += n
+            if has_targets:
+                lps, top_ids, top_lps = next(targets)
+                r.prompt_logprobs += lps
+                if r.sampling.top_logprobs:
+                    r.prompt_top_ids += top_ids
+                    r.prompt_top_logprobs += top_lps
             if r.pending_store is not None:
                 end, ckpt = r.pending_store
                 r.pending_store = None
@@ -315,6 +331,10 @@ class Scheduler:
                            cached_tokens=r.hit_len)
             if r.sampling.top_logprobs:
                 out.top_ids, out.top_logprobs = [top_ids], [top_logprobs]
+            if r.sampling.prompt_logprobs and len(r.output) == 1:
+                out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs = (
+                    r.prompt_logprobs, r.prompt_top_ids, r.prompt_top_logprobs)
+                r.prompt_logprobs, r.prompt_top_ids, r.prompt_top_logprobs = [], [], []
             outs.append(out)
             if reason is not None:
                 self._finish(r, reason)

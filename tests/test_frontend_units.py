@@ -258,7 +258,7 @@ def test_chat_max_completion_tokens_wins():
     ({"prompt": ["x", ""]}, "prompt"),
     ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": [[1], "x"]}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),

@@ -108,7 +108,7 @@ def test_chat_logprobs(oai, k):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    ({"logprobs": 21}, "logprobs"), ({"logprobs": 1, "echo": True}, "echo")])
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": 1, "echo": "yes"}, "echo")])
 def test_refused_logprobs_name_the_param(oai, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         complete(oai, **kwargs)
