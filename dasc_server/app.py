@@ -35,6 +35,7 @@ from dasc_server.chat import chat_prompt_ids
 from dasc_server.engine_client import EngineClient, EngineDead
 from dasc_server.guards import Guards
 from dasc_server.metrics import CONTENT_TYPE, Metrics
+from dasc_server.native import add_native_routes
 from dasc_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -244,5 +245,6 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
         return JSONResponse({"ok": done.ok, "message": done.message},
                             status_code=200 if done.ok else 400)
 
+    add_native_routes(app, engine, tokenizer, model_name, prepare, max_in_flight)
     return app
 
