@@ -219,7 +219,10 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
 
     @app.get("/server_info")
     async def server_info() -> dict:
-        return {**asdict(engine.info), "arm": engine.info.arm}
+        """The engine's facts; ``model_path`` and ``served_model_name`` under SGLang's names too,
+        which the SGLang model gateway reads to name the model and load its tokenizer."""
+        return {**asdict(engine.info), "arm": engine.info.arm, "model_path": engine.info.model,
+                "tokenizer_path": engine.info.model, "served_model_name": model_name}
 
     async def scheduler_stats():
         try:
