@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 from serving import KIMI, running_server
-from test_logprobs_openai import text_of
+from test_logprobs_openai import joined_logprobs, text_of
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
@@ -106,16 +106,9 @@ def test_echo_logprobs_batch_and_stream(oai, reference):
     check_echo_logprobs(batch.choices[0].logprobs, reference)
     assert len(batch.choices[1].logprobs.tokens) == len(other) + 1
     whole = complete(oai, echo=True, logprobs=2, max_tokens=4).choices[0].logprobs
-    tokens, logprobs, tops, offsets = [], [], [], []
-    for chunk in complete(oai, echo=True, logprobs=2, max_tokens=4, stream=True):
-        lp = chunk.choices[0].logprobs if chunk.choices else None
-        if lp is not None:
-            tokens += lp.tokens
-            logprobs += lp.token_logprobs
-            tops += lp.top_logprobs
-            offsets += lp.text_offset
-    assert (tokens, logprobs, tops, offsets) == (whole.tokens, whole.token_logprobs,
-                                                 whole.top_logprobs, whole.text_offset)
+    streamed = joined_logprobs(complete(oai, echo=True, logprobs=2, max_tokens=4, stream=True))
+    assert streamed == (whole.tokens, whole.token_logprobs, whole.top_logprobs,
+                        whole.text_offset)
 
 
 def test_scheduler_asks_for_every_prompt_token_once_and_skips_the_cache():

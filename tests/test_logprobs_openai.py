@@ -58,18 +58,25 @@ def test_completion_top_logprobs(oai, k, temperature):
     assert seeded.logprobs is None
 
 
-def test_completion_logprobs_stream_as_json(oai):
-    whole = complete(oai, logprobs=3, temperature=1.0, seed=2).choices[0].logprobs
+def joined_logprobs(chunks) -> tuple[list, list, list, list]:
+    """A completions stream's logprobs pieces joined: (tokens, token_logprobs, top_logprobs,
+    text_offset), to compare with the JSON answer's."""
     tokens, logprobs, tops, offsets = [], [], [], []
-    for chunk in complete(oai, stream=True, logprobs=3, temperature=1.0, seed=2):
-        lp = chunk.choices[0].logprobs
+    for chunk in chunks:
+        lp = chunk.choices[0].logprobs if chunk.choices else None
         if lp is not None:
             tokens += lp.tokens
             logprobs += lp.token_logprobs
             tops += lp.top_logprobs
             offsets += lp.text_offset
-    assert (tokens, logprobs, tops, offsets) == (whole.tokens, whole.token_logprobs,
-                                                 whole.top_logprobs, whole.text_offset)
+    return tokens, logprobs, tops, offsets
+
+
+def test_completion_logprobs_stream_as_json(oai):
+    whole = complete(oai, logprobs=3, temperature=1.0, seed=2).choices[0].logprobs
+    streamed = joined_logprobs(complete(oai, stream=True, logprobs=3, temperature=1.0, seed=2))
+    assert streamed == (whole.tokens, whole.token_logprobs, whole.top_logprobs,
+                        whole.text_offset)
 
 
 def test_text_offsets_count_characters():
