@@ -126,19 +126,46 @@ def test_clients_that_vanish_mid_stream_leak_nothing(guarded):
 
 
 def test_overload_answers_503_with_retry_after():
+    """One request runs, one waits, so a third finds the server full.  The slots are held by
+    streams kept open on purpose, not by a race between threads, so the test cannot pass or
+    fail by timing."""
     flags = ["--max-running-requests", "1", "--max-queued-requests", "1"]
     with running_server("--model", str(KIMI), *flags) as server:
-        def send(_):
-            return httpx.post(f"{server.base_url}/v1/completions", timeout=120,
-                              json={"prompt": [65] * 50, "max_tokens": 150, "ignore_eos": True})
-        with ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(send, range(8)))
-        codes = sorted(r.status_code for r in replies)
-        assert set(codes) == {200, 503} and codes.count(200) >= 2
-        for r in replies:
-            if r.status_code == 503:
-                assert r.headers["retry-after"] == "1"
-                assert r.json()["error"]["code"] == "overloaded"
+        hold = threading.Event()
+        started = threading.Semaphore(0)
+        statuses = []
+
+        def held_stream():
+            body = {"prompt": [65] * 50, "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                              timeout=120) as r:
+                statuses.append(r.status_code)
+                started.release()
+                for _ in r.iter_lines():
+                    if hold.is_set():
+                        return
+
+        readers = [threading.Thread(target=held_stream) for _ in range(2)]
+        try:
+            for reader in readers:
+                reader.start()
+                assert started.acquire(timeout=60) and statuses[-1] == 200
+                deadline = time.monotonic() + 30
+                while (metric(server, "dasc_running_requests")
+                       + metric(server, "dasc_queued_requests") < readers.index(reader) + 1):
+                    assert time.monotonic() < deadline, "the held request never arrived"
+                    time.sleep(0.02)
+            r = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+                           json={"prompt": [66], "max_tokens": 2})
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "overloaded"
+        finally:
+            hold.set()
+            for reader in readers:
+                if reader.ident is not None:
+                    reader.join(60)
         assert server.complete([66, 67], max_tokens=2)["choices"][0]["token_ids"]
 
 
