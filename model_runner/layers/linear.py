@@ -18,9 +18,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_runner.cpu_features import cpu_has_native_bf16
 from model_runner.parallel import TPGroup
 
 Index = torch.Tensor | None  # None: the whole on-disk extent
+
+# A bf16 GEMM with at least this many rows runs in fp32 on a CPU that only emulates bf16.
+# Measured on an AVX2 core (docs/results/runner.md): [M, 1024] x [1024, 4096] emulated bf16
+# costs ~1.1 ms per row; upcasting both operands costs ~5 ms once, so fp32 wins from M ~ 12.
+UPCAST_MIN_ROWS = 16
+_EMULATED_BF16 = not cpu_has_native_bf16()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W^T``.  On a CPU without native bf16 a bf16 GEMM of many rows (a prefill chunk) is
+    computed in fp32 and rounded once to bf16: the products of bf16 operands are exact in fp32
+    and the emulated bf16 GEMM accumulates in fp32 too, so only the summation order differs,
+    at 4-6x the speed.  Small row counts (decode) keep the bf16 GEMM, which reads half the
+    bytes."""
+    if (_EMULATED_BF16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+    return F.linear(x, weight)
 
 
 def group_rows(groups: Sequence[int], group_size: int, start: int = 0,
@@ -84,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = attach_loader(new_param(out_features, in_features, dtype=dtype), parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class ReplicatedLinear(ColumnParallelLinear):
@@ -103,7 +122,7 @@ class RowParallelLinear(nn.Module):
                                     {None: index}, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -141,5 +160,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; every rank gets the full [N, vocab] logits."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         return self.tp.all_gather_last(logits)[:, : self.vocab_size]

@@ -17,6 +17,7 @@ from model_runner.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     attach_loader,
+    linear,
     new_param,
     rank_slice,
 )
@@ -143,8 +144,8 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):  # host sync: the per-expert counts
             if count:
                 rows = slice(start, start + count)
-                gate, up = F.linear(gathered[rows], self.w13[expert]).chunk(2, dim=-1)
-                h[rows] = F.linear(F.silu(gate) * up, self.w2[expert])
+                gate, up = linear(gathered[rows], self.w13[expert]).chunk(2, dim=-1)
+                h[rows] = linear(F.silu(gate) * up, self.w2[expert])
                 start += count
         out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
 
