@@ -4,6 +4,10 @@ A row is the value dim V of one (layer, head, key channel): for GDN the K rows o
 `[K, V]`, for KDA one unit. Per row: `s = max(amax(|x|), 1e-8) / 127`,
 `q = clip(round_half_even(x / s), -127, 127)` (int8); dequantisation is `x' = q * s` in FP32.
 
+Non-finite rows stay non-finite, so corrupted state cannot turn finite in a checkpoint: a row
+holding a NaN gets a NaN scale, one holding +-inf (and no NaN) an inf scale, and every code of such
+a row is 0 (the quotients are NaN or 0); dequantised, the row is all NaN.
+
 The Triton kernels reproduce the torch reference bit for bit: both divide with IEEE
 round-to-nearest (`tl.div_rn`; Triton's plain `/` may be approximate on GPUs) and round half to
 even (done explicitly in Triton, which has no such rounding builtin).
@@ -93,19 +97,25 @@ def _quantize_int8_kernel(
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    num_nan = tl.zeros([BLOCK_N], dtype=tl.int32)
     for v0 in range(0, dim, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         mask = row_ok[:, None] & (cols < dim)[None, :]
         x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    scale = tl.div_rn(tl.maximum(amax, EPS), QMAX)  # [BLOCK_N]
+        a = tl.abs(x.to(tl.float32))
+        amax = tl.maximum(amax, tl.max(a, axis=1))  # NaN-blind on GPUs (max.f32 drops NaN)
+        num_nan += tl.sum((a != a).to(tl.int32), axis=1)
+    scale = tl.div_rn(tl.maximum(amax, EPS), QMAX)  # [BLOCK_N]; inf stays inf
+    scale = tl.where(num_nan > 0, float("nan"), scale)
     tl.store(scale_ptr + rows64, scale, mask=row_ok)
     for v0 in range(0, dim, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = row_ok[:, None] & (cols < dim)[None, :]
         x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
         y = _round_half_even(tl.div_rn(x.to(tl.float32), scale[:, None]))
-        q = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.int8)
+        # NaN quotients (a NaN scale, or inf / inf) become code 0, as torch's cast does on CPU;
+        # tl.minimum / tl.maximum would clip them to -127.
+        q = tl.where(y == y, tl.minimum(tl.maximum(y, -QMAX), QMAX), 0.0).to(tl.int8)
         tl.store(q_ptr + rows64[:, None] * q_stride + cols[None, :], q, mask=mask)
 
 

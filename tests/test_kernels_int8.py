@@ -49,10 +49,23 @@ def _make(name: str) -> torch.Tensor:
         return torch.cat([torch.tensor([TIES_ROW]).repeat(1, 4), rows], dim=0)  # [41, 32]
     if name == "bf16":
         return (torch.randn(3, 2, 16, generator=gen) * 5).to(torch.bfloat16)
+    if name == "non_finite":  # corrupted state: NaN, +-inf, both; V spans two chunks
+        x = torch.randn(6, 1300, generator=gen)
+        x[0, 5], x[1, 1200], x[2, 0] = float("nan"), float("inf"), float("-inf")
+        x[3, 7], x[3, 1100] = float("inf"), float("nan")
+        return x  # rows 4, 5 stay finite
     raise KeyError(name)
 
 
 CASES = ["kda_units", "gdn_heads", "long_rows", "odd_v", "tiny", "ties", "bf16"]
+TRITON_CASES = [*CASES, "non_finite"]
+NON_FINITE_SCALES = ["nan", "inf", "inf", "nan"]  # rows 0-3 of "non_finite"
+
+
+def assert_same(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Identical dtype and bits, NaN where the reference has NaN."""
+    assert ours.dtype == ref.dtype
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------- reference properties
@@ -115,6 +128,17 @@ def test_inplace_matches_reference_exactly(name, with_buffers):
     assert (q is q_buf) == with_buffers
 
 
+def test_reference_keeps_non_finite_rows_non_finite():
+    """A NaN row gets a NaN scale, an inf row an inf scale, their codes are 0 and they load back
+    as NaN: a checkpoint of corrupted state never turns finite."""
+    x = _make("non_finite")
+    for q, scale in (quantize_int8_ref(x), quantize_int8_inplace(x.clone())):
+        assert [str(v) for v in scale[:4].tolist()] == NON_FINITE_SCALES
+        assert (q[:4] == 0).all() and dequantize_int8(q, scale)[:4].isnan().all()
+        finite = quantize_int8_ref(x[4:])
+        assert torch.equal(q[4:], finite[0]) and torch.equal(scale[4:], finite[1])
+
+
 def test_inplace_rejects_what_it_cannot_overwrite():
     with pytest.raises(ValueError):
         quantize_int8_inplace(torch.randn(4, 6).t())
@@ -128,7 +152,7 @@ def test_inplace_rejects_what_it_cannot_overwrite():
 @pytest.fixture(scope="module")
 def triton_results() -> dict[str, tuple]:
     calls = []
-    for name in CASES:
+    for name in TRITON_CASES:
         x = _make(name)
         q, scale = quantize_int8_ref(x)
         calls += [
@@ -137,17 +161,25 @@ def triton_results() -> dict[str, tuple]:
             ("dequantize_int8_triton", (q, scale, torch.full(q.shape, float("nan")))),
         ]
     out = run_interpreted("kernels.int8_quant", calls)
-    return {name: tuple(out[3 * i : 3 * i + 3]) for i, name in enumerate(CASES)}
+    return {name: tuple(out[3 * i : 3 * i + 3]) for i, name in enumerate(TRITON_CASES)}
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", TRITON_CASES)
 def test_triton_matches_reference_exactly(name, triton_results):
     (q_triton, scale_triton), x_hat_triton, x_hat_out = triton_results[name]
     q, scale = quantize_int8_ref(_make(name))
-    assert q_triton.dtype == torch.int8 and torch.equal(q_triton, q)
-    assert scale_triton.dtype == torch.float32 and torch.equal(scale_triton, scale)
+    assert_same(q_triton, q)
+    assert_same(scale_triton, scale)
     x_hat = dequantize_int8_ref(q, scale)
-    assert torch.equal(x_hat_triton, x_hat) and torch.equal(x_hat_out, x_hat)
+    assert_same(x_hat_triton, x_hat)
+    assert_same(x_hat_out, x_hat)
+
+
+def test_triton_keeps_non_finite_rows_non_finite(triton_results):
+    # Before the fix a NaN became code -127 under a finite scale (GPU max.f32 drops NaN).
+    (q_triton, scale_triton), x_hat, _ = triton_results["non_finite"]
+    assert [str(v) for v in scale_triton[:4].tolist()] == NON_FINITE_SCALES
+    assert (q_triton[:4] == 0).all() and x_hat[:4].isnan().all()
 
 
 def test_triton_rounds_half_to_even(triton_results):
@@ -159,7 +191,9 @@ def test_triton_rounds_half_to_even(triton_results):
 def test_cuda_dispatch_matches_reference():
     # Kimi-Linear-like rank: 20 layers x 4 heads x 128 channels, V = 128; plus ties.
     x = torch.cat([torch.randn(20 * 4 * 128, 128) * 2, _make("ties").repeat(1, 4)[:, :128]])
+    x = torch.cat([x, _make("non_finite")[:, :128]])
     q, scale = quantize_int8(x.cuda())
     q_ref, scale_ref = quantize_int8_ref(x)
-    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
-    assert torch.equal(dequantize_int8(q, scale).cpu(), dequantize_int8_ref(q_ref, scale_ref))
+    assert_same(q.cpu(), q_ref)
+    assert_same(scale.cpu(), scale_ref)
+    assert_same(dequantize_int8(q, scale).cpu(), dequantize_int8_ref(q_ref, scale_ref))
