@@ -53,6 +53,7 @@ from dasc_server.responses import (
     finished_before_disconnect,
     sse_frames,
 )
+from dasc_server.structured import response_format_grammar
 from scheduler.messages import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -149,6 +150,11 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
             raise RequestError(f"logit_bias token ids must lie in [0, {info.vocab_size})",
                                param="logit_bias")
         echo = not is_chat and bool(req.echo)
+        grammar = response_format_grammar(req.response_format)
+        if grammar and (req.ignore_eos or info.eos_token_id is None):
+            raise RequestError("response_format needs the model's EOS to end the output "
+                               "(no ignore_eos)", param="ignore_eos" if req.ignore_eos
+                               else "response_format")
         choices = []
         for prompt_index, prompt_ids in enumerate(prompt_batch(req)):
             try:
@@ -171,7 +177,8 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                     logit_bias=bias, presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                    top_logprobs=req.num_top_logprobs, prompt_logprobs=echo and req.wants_logprobs)
+                    top_logprobs=req.num_top_logprobs, prompt_logprobs=echo and req.wants_logprobs,
+                    grammar=grammar)
                 choices.append(Choice(prompt_index * num_samples + sample_index, prompt_index,
                                       sample_index, engine.new_rid(), prompt_ids, sampling))
         return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,

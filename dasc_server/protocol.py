@@ -87,7 +87,6 @@ class _GenerationRequest(BaseModel):
 
     # field -> the values that mean "off" (the field declared as ``Any = None`` below)
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "response_format": (None, {"type": "text"}),
         "min_p": (None, 0),
         "use_beam_search": (None, False),
         "prompt_logprobs": (None,),
@@ -121,8 +120,9 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
-    # Accepted only at their neutral values: silently ignoring them would change the output.
+    # text, json_object or json_schema, checked and compiled by ``dasc_server.structured``
     response_format: Any = None
+    # Accepted only at their neutral values: silently ignoring them would change the output.
     min_p: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None

@@ -1,7 +1,7 @@
 """Token sampling on rank 0: greedy, temperature, top-k, top-p, reproducible per request, and
 the logit controls (logit_bias, presence/frequency/repetition penalties, min_tokens), and the
 log-probabilities OpenAI reports (the sampled token's, and the k likeliest tokens' for requests
-that ask for them).
+that ask for them), and structured output (a grammar's token mask, ``model_runner.grammar``).
 
 Each sampled token gets its own generator seeded from (request seed, output position), so a
 request's tokens do not depend on which other requests share its batch; the logit controls
@@ -10,10 +10,12 @@ keep that property because each one reads only its own request's row and history
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from model_runner.grammar import GrammarMatcher
 from scheduler.messages import LogitControls, Sample
 
 _MIX = 0x9E3779B97F4A7C15
@@ -22,12 +24,19 @@ _MIX = 0x9E3779B97F4A7C15
 class RequestControls:
     """One request's logit controls on rank 0 and the history they need: counts of the tokens
     sampled for it (presence/frequency) and the set of prompt or sampled tokens (repetition),
-    each a [vocab] tensor on the logits' device, allocated only when its penalty is on."""
+    each a [vocab] tensor on the logits' device, allocated only when its penalty is on, and
+    the grammar's matcher (``grammar_tokenizer`` builds the tokenizer it needs)."""
 
-    def __init__(self, c: LogitControls, vocab_size: int, device: torch.device):
+    def __init__(self, c: LogitControls, vocab_size: int, device: torch.device,
+                 grammar_tokenizer: Callable[[], object] | None = None):
         self.c = c
         self.num_sampled = 0
         self.bias_ids = self.bias = self.counts = self.seen = self.banned = None
+        self.matcher = None
+        if c.grammar:
+            if grammar_tokenizer is None:
+                raise RuntimeError("a request has a grammar, but rank 0 has no tokenizer")
+            self.matcher = GrammarMatcher(grammar_tokenizer(), c.grammar, vocab_size)
         if c.logit_bias:
             self.bias_ids = torch.tensor(list(c.logit_bias), dtype=torch.long, device=device)
             self.bias = torch.tensor(list(c.logit_bias.values()), dtype=torch.float32,
@@ -54,6 +63,12 @@ class RequestControls:
             x.index_add_(0, self.bias_ids, self.bias)
         if self.banned is not None and self.num_sampled < c.min_tokens:
             x[self.banned] = float("-inf")
+        if self.matcher is not None:
+            allowed = self.matcher.allowed(x.device)  # [vocab] bool
+            masked = x.masked_fill(~allowed, float("-inf"))
+            if not torch.isfinite(masked).any():  # min_tokens or a bias against the grammar
+                masked = row.float().masked_fill(~allowed, float("-inf"))
+            x = masked
         return x
 
     def record(self, token: int) -> None:
@@ -62,15 +77,19 @@ class RequestControls:
             self.counts[token] += 1
         if self.seen is not None:
             self.seen[token] = True
+        if self.matcher is not None:
+            self.matcher.consume(token)
 
 
 class LogitControlTable:
     """Rank 0's ``RequestControls`` by request id: created from the controls a request's first
     ``Sample`` carries, dropped with its row table (``release``).  Requests without controls
-    have no entry and cost one dict miss per sampled token."""
+    have no entry and cost one dict miss per sampled token.  ``grammar_tokenizer`` (a
+    ``model_runner.grammar.TokenizerCache``) serves requests with a grammar."""
 
-    def __init__(self):
+    def __init__(self, grammar_tokenizer: Callable[[], object] | None = None):
         self._reqs: dict[str, RequestControls] = {}
+        self.grammar_tokenizer = grammar_tokenizer
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -88,7 +107,7 @@ class LogitControlTable:
         for rid, spec in zip(rids, specs, strict=True):
             if spec.controls is not None:
                 self._reqs[rid] = RequestControls(spec.controls, logits.shape[-1],
-                                                  logits.device)
+                                                  logits.device, self.grammar_tokenizer)
             ctl = self._reqs.get(rid)
             if ctl is not None and ctl.num_sampled != spec.index:
                 raise RuntimeError(f"request {rid!r}: rank 0 sampled {ctl.num_sampled} tokens, "

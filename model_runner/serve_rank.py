@@ -26,6 +26,7 @@ from model_runner.compression.plan import ModelIdentity, SelectionPlan, dasc_pla
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cpu_features import emulated_bf16_note
+from model_runner.grammar import TokenizerCache
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
 from model_runner.rank_args import add_rank_args
 from model_runner.runner import ModelRunner, RunnerConfig
@@ -214,7 +215,9 @@ def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
 
 
 def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
-    conn, tables, controls = None, row_tables(runner), LogitControlTable()
+    conn, tables = None, row_tables(runner)
+    controls = LogitControlTable(TokenizerCache(runner.rc.model_dir, info.vocab_size,
+                                                info.eos_token_id))
     if tp.is_first:
         conn = ipc.connect(port)
         ipc.send(conn, info)

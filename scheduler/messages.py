@@ -34,11 +34,14 @@ class SamplingParams:
     # echo: also the logprobs (and ``top_logprobs`` likeliest) of prompt tokens [1, n); such a
     # request prefills its whole prompt (the cache keeps no logits), storing checkpoints still
     prompt_logprobs: bool = False
+    # structured output: an llguidance grammar (``LLMatcher.grammar_from_*``, serialised) the
+    # output must match; rank 0 masks every token it disallows ("" = none)
+    grammar: str = ""
 
     @property
     def has_logit_controls(self) -> bool:
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.grammar)
 
 
 @dataclass(slots=True)
@@ -182,7 +185,9 @@ class LogitControls:
     releases the request's row table, so later steps carry nothing and the history never
     travels.  Applied in this order to the model's logits: repetition penalty (tokens of
     ``prompt_ids`` or the output), presence and frequency penalties (output), ``logit_bias``,
-    then ``banned_ids`` -> -inf while fewer than ``min_tokens`` tokens have been sampled."""
+    then ``banned_ids`` -> -inf while fewer than ``min_tokens`` tokens have been sampled, then
+    the ``grammar``'s mask (every token it disallows -> -inf; if the controls before it left
+    no allowed token finite, the mask alone on the model's logits: the grammar wins)."""
 
     logit_bias: dict[int, float]
     presence_penalty: float
@@ -191,6 +196,7 @@ class LogitControls:
     min_tokens: int
     banned_ids: list[int]  # stop_token_ids, and EOS unless ignore_eos
     prompt_ids: list[int]  # distinct prompt tokens; empty unless repetition_penalty != 1
+    grammar: str = ""  # SamplingParams.grammar
 
 
 @dataclass(slots=True)

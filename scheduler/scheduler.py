@@ -291,7 +291,7 @@ class Scheduler:
         seen = sorted(set(r.prompt)) if s.repetition_penalty != 1.0 else []
         return LogitControls(dict(s.logit_bias), float(s.presence_penalty),
                              float(s.frequency_penalty), float(s.repetition_penalty),
-                             s.min_tokens, banned if s.min_tokens else [], seen)
+                             s.min_tokens, banned if s.min_tokens else [], seen, s.grammar)
 
     def _plan_store(self, plan: BatchPlan, r: Req, end: int) -> None:
         if end not in self._boundaries(r) or self.cache.ckpt_at(r.prompt[:end]) is not None:

@@ -265,7 +265,6 @@ def test_chat_max_completion_tokens_wins():
     ({"prompt": "x", "logit_bias": {"65": -101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -399,7 +398,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("top_logprobs", 2), ("top_logprobs", 21),
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 500}),
+    ("logit_bias", {"1": 500}),
     ("reasoning_effort", "high"), ("chat_template_kwargs", {"enable_thinking": True}),
 ])
 def test_unsupported_chat_fields_are_named(field, value):

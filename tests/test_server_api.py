@@ -316,8 +316,11 @@ BAD_REQUESTS = {
     "min-tokens-over-max": ({"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400,
                             "min_tokens"),
     "penalty-range": ({"prompt": "a", "presence_penalty": 3}, 400, "presence_penalty"),
-    "json-mode": ({"prompt": "a", "response_format": {"type": "json_object"}}, 400,
-                  "response_format"),
+    "response-format-kind": ({"prompt": "a", "response_format": {"type": "regex"}}, 400,
+                             "response_format"),
+    "json-schema-unenforceable": ({"prompt": "a", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"format": "odd"}}}},
+        400, "response_format"),
     "chat-tools": ({"messages": [{"role": "user", "content": "hi"}],
                     "tools": [{"type": "function", "function": {"name": "f"}}],
                     "tool_choice": "required"}, 400, "tools"),

@@ -1,0 +1,79 @@
+"""Structured output on rank 0: an llguidance matcher per request, and its token mask.
+
+The front end turns ``response_format`` (and forced tool calls) into an llguidance grammar
+(``dasc_server.structured``); the grammar travels once, in the request's ``LogitControls``.
+Rank 0 builds an ``LLMatcher`` over the model's own tokenizer, asks it before every sample which
+tokens may follow, and feeds it the token sampled.  A row's mask comes from its own matcher
+only, so structured output keeps the sampler batch-invariant.
+
+The tokenizer is built once, on the first request that needs it (~5 ms for the byte tokenizer
+of the built-in models; llguidance quotes ~1 s for a 150k-token vocabulary).  The model's EOS
+is the grammar's end token: once the output is complete, EOS is the only token allowed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+
+def grammar_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: int | None
+                      ) -> llguidance.LLTokenizer:
+    """The model's Hugging Face fast tokenizer as llguidance sees it, ``vocab_size`` wide (ids
+    past the tokenizer's own are never allowed)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos_token_id)
+
+
+class TokenizerCache:
+    """Builds the grammar tokenizer on first use (requests without a grammar never do)."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_id: int | None):
+        self.model_dir, self.vocab_size, self.eos_token_id = model_dir, vocab_size, eos_token_id
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def __call__(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = grammar_tokenizer(self.model_dir, self.vocab_size,
+                                                self.eos_token_id)
+        return self._tokenizer
+
+
+class GrammarMatcher:
+    """One request's grammar state.  A matcher that errs (a grammar llguidance cannot build,
+    which the front end's validation should have caught) allows only EOS, so the request ends
+    instead of the rank; the error goes to stderr."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos = tokenizer.eos_token
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self._report()
+
+    def allowed(self, device: torch.device) -> torch.Tensor:
+        """bool [vocab_size]: the tokens the grammar allows next."""
+        if self.matcher.is_error():
+            only_eos = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+            only_eos[self.eos] = True
+            return only_eos
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.zeros(self.vocab_size, dtype=bool)  # logits wider than the tokenizer: False
+        unpacked = np.unpackbits(bits, bitorder="little")[: self.vocab_size]
+        mask[: unpacked.size] = unpacked
+        return torch.from_numpy(mask).to(device)
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.is_error():
+            self.matcher.consume_token(token)
+            self._report()
+
+    def _report(self) -> None:
+        if self.matcher.is_error():
+            print(f"dasc grammar error: {self.matcher.get_error()}", file=sys.stderr)
