@@ -39,7 +39,8 @@ RANK_FLAGS = ("--dtype", "--device", "--step-target-ms", "--wmax", "--load-polic
               "--cuda-graph-max-bs", "--cuda-graph-max-context")
 RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
 SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
-               "--step-target-ms", "--checkpoint-interval", "--wmax", "--load-policy")
+               "--step-target-ms", "--checkpoint-interval", "--wmax", "--load-policy",
+               "--schedule-policy", "--schedule-max-passes", "--prefill-mix-ratio")
 SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
 
 
@@ -102,7 +103,7 @@ def validate(args: argparse.Namespace) -> None:
                  "cuda_graph_max_bs", "cuda_graph_max_context", "step_target_ms"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("checkpoint_interval", "wmax"):
+    for name in ("checkpoint_interval", "wmax", "schedule_max_passes", "prefill_mix_ratio"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
     for flag, port in (("--port", args.port), ("--master-port", args.master_port)):

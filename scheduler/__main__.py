@@ -25,9 +25,11 @@ from scheduler.messages import (
     StatsReq,
     StepResult,
 )
+from scheduler.policy import POLICIES, SchedulePolicy
 from scheduler.scheduler import Scheduler, SchedulerConfig, prefill_budget
 
 IDLE_POLL_S = 0.5
+DEFAULT_POLICY = "fcfs"
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +48,16 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "decodes never wait behind a whole long prompt (default: off)")
     g.add_argument("--checkpoint-interval", type=int, default=256,
                    help="store a checkpoint every N prompt tokens (0: at the prompt end only)")
+    g.add_argument("--schedule-policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help="which prefill a step takes first: fcfs (arrival order) or lpm (shortest "
+                        "remaining prefill after the cached prefix first, so hits do not wait "
+                        "behind misses)")
+    g.add_argument("--schedule-max-passes", type=int, default=32,
+                   help="lpm's fairness bound: a request overtaken by this many later arrivals "
+                        "goes first")
+    g.add_argument("--prefill-mix-ratio", type=float, default=8.0,
+                   help="lpm: a step holding prefill chunks defers a chunk more than this many "
+                        "times longer than its longest one to the next step (0: never defer)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
     g.add_argument("--no-cache-finished", action="store_true",
                    help="do not cache prompt + output when a request finishes")
@@ -158,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         cache_finished=not args.no_cache_finished,
         load_policy=args.load_policy,
         refresh_window=info.refresh_window,
+        policy=SchedulePolicy(args.schedule_policy, args.schedule_max_passes,
+                              args.prefill_mix_ratio),
     )
     ipc.send(front, ServerInfo(
         args.model, info.model_type, info.tp_size, info.vocab_size, info.eos_token_id,

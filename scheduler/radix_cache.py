@@ -66,6 +66,26 @@ class RadixCache:
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, tokens: list[int], max_len: int) -> MatchResult:
         """Deepest node with a checkpoint whose depth is at most ``max_len``."""
+        path, best = self._walk(tokens, max_len)
+        now = next(self._clock)
+        rows: list[int] = []
+        for n in path[:best]:
+            n.kv_access = now
+            rows.extend(n.value)
+        if best == 0:
+            return MatchResult(self.root, 0, [])
+        hit = path[best - 1]
+        hit.ckpt_access = now
+        return MatchResult(hit, hit.depth, rows)
+
+    def match_len(self, tokens: list[int], max_len: int) -> int:
+        """What ``match`` would cover, without touching either LRU order (a policy's peek)."""
+        path, best = self._walk(tokens, max_len)
+        return path[best - 1].depth if best else 0
+
+    def _walk(self, tokens: list[int], max_len: int) -> tuple[list[Node], int]:
+        """The matched path of whole edges within ``max_len``, and how many of its nodes lead
+        to (and include) the deepest one with a checkpoint."""
         node, pos, path, best = self.root, 0, [], 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -77,16 +97,7 @@ class RadixCache:
             path.append(node)
             if node.ckpt is not None:
                 best = len(path)
-        now = next(self._clock)
-        rows: list[int] = []
-        for n in path[:best]:
-            n.kv_access = now
-            rows.extend(n.value)
-        if best == 0:
-            return MatchResult(self.root, 0, [])
-        hit = path[best - 1]
-        hit.ckpt_access = now
-        return MatchResult(hit, hit.depth, rows)
+        return path, best
 
     def ckpt_at(self, tokens: list[int]) -> int | None:
         """The checkpoint slot of the node ending exactly at len(tokens), if any."""

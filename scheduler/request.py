@@ -26,6 +26,8 @@ class Req:
     hit_len: int = 0  # tokens restored from the cache at admission (usage.cached_tokens)
     pending_store: tuple[int, int] | None = None  # (boundary, checkpoint slot) of this step
     finish_reason: str | None = None
+    arrival: int = 0  # order of add(); ties in the schedule policy go to the earlier
+    num_passed: int = 0  # later arrivals that got prefill in a step where this one got none
     # SamplingParams.prompt_logprobs: what the prefill steps returned so far, sent (and
     # dropped) with the first token's frame
     prompt_logprobs: list[float] = field(default_factory=list)

@@ -31,8 +31,9 @@ from scheduler.messages import (
     StepResult,
     TokenOut,
 )
+from scheduler.policy import SchedulePolicy, count_passes
 from scheduler.pools import IndexPool
-from scheduler.radix_cache import RadixCache
+from scheduler.radix_cache import Node, RadixCache
 from scheduler.request import Req
 
 
@@ -64,6 +65,7 @@ class SchedulerConfig:
     cache_finished: bool = True
     load_policy: str = "nr"  # "nr" | "wr"
     refresh_window: int = 0
+    policy: SchedulePolicy = SchedulePolicy()  # which prefill a step takes first
 
     @property
     def scratch_slot_base(self) -> int:
@@ -96,6 +98,7 @@ class Scheduler:
         self._released: list[str] = []  # ended requests whose tables the next plan drops
         self._live: set[str] = set()  # ids of waiting and running requests
         self._step_id = 0
+        self._num_added = 0
         self._rng = random.Random(0)
         # checkpoints_stored: every checkpoint the tree took, at a prefill boundary or when a
         # request finished; minus the cache's num_ckpt_evicted it is always num_cached_ckpts
@@ -112,7 +115,8 @@ class Scheduler:
             return TokenOut(rid, [], finished=True, finish_reason="error",
                             prompt_tokens=len(prompt), error=error)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
-        self.waiting.append(Req(rid, list(prompt), sampling, seed))
+        self.waiting.append(Req(rid, list(prompt), sampling, seed, arrival=self._num_added))
+        self._num_added += 1
         self._live.add(rid)
         return None
 
@@ -184,16 +188,7 @@ class Scheduler:
             if not r.is_prefilling:
                 self._add_seq(plan, r, r.computed + 1)
                 budget -= 1
-        for r in self.running:
-            if r.is_prefilling and budget > 0:
-                budget -= self._add_chunk(plan, r, budget)
-        ckpt_locked = []
-        while self.waiting and budget > 0 and self._admit(self.waiting[0], plan):
-            r = self.waiting.popleft()
-            self.running.append(r)
-            if r.hit_len:
-                ckpt_locked.append(r.node)
-            budget -= self._add_chunk(plan, r, budget)
+        ckpt_locked = self._add_prefills(plan, budget)
         for r, n, _, _ in self._inflight:  # after every match: stores never feed this step's loads
             if r.is_prefilling:
                 self._plan_store(plan, r, r.computed + n)
@@ -210,13 +205,61 @@ class Scheduler:
         self._step_id += 1
         return self._step_id
 
+    def _add_prefills(self, plan: BatchPlan, budget: int) -> list[Node]:
+        """Offer the step's budget to the prefill candidates in the policy's order: admitted
+        requests take their next chunk, waiting ones are admitted first (after the first that
+        does not fit, no other is).  Returns the nodes whose checkpoints this step loads."""
+        policy = self.cfg.policy
+        prefilling = [r for r in self.running if r.is_prefilling]
+        remaining: dict[str, int] = {}
+
+        def remaining_of(r: Req) -> int:
+            if r.rid not in remaining:
+                remaining[r.rid] = self._remaining_prefill(r)
+            return remaining[r.rid]
+
+        served, skipped, ckpt_locked = [], [], []
+        longest, can_admit = 0, True
+        for r in policy.order(prefilling, self.waiting, remaining_of):
+            is_admitted = r.slot != 0
+            if (budget <= 0 or (not is_admitted and not can_admit)
+                    or (longest and policy.can_defer
+                        and policy.defers(r, min(remaining_of(r), budget), longest))):
+                skipped.append(r)
+                continue
+            if not is_admitted:
+                if not self._admit(r, plan):
+                    can_admit = False
+                    skipped.append(r)
+                    continue
+                self.waiting.remove(r)
+                self.running.append(r)
+                if r.hit_len:
+                    ckpt_locked.append(r.node)
+            taken = self._add_chunk(plan, r, budget)
+            budget -= taken
+            longest = max(longest, taken)
+            served.append(r)
+        count_passes(skipped, served)
+        return ckpt_locked
+
+    def _can_hit(self, r: Req) -> bool:
+        return self.cfg.prefix_cache and not r.sampling.prompt_logprobs
+
+    def _remaining_prefill(self, r: Req) -> int:
+        """Prompt tokens left to compute; for a waiting request, after the hit it would get."""
+        if r.slot != 0:
+            return len(r.prompt) - r.computed
+        if not self._can_hit(r):
+            return len(r.prompt)
+        return len(r.prompt) - self.cache.match_len(r.prompt, len(r.prompt) - 1)
+
     def _admit(self, r: Req, plan: BatchPlan) -> bool:
         """Match the prompt, lock the hit, reserve KV rows and an active slot."""
         if self.slots.num_free == 0:
             return False
         cache = self.cache
-        can_hit = self.cfg.prefix_cache and not r.sampling.prompt_logprobs
-        hit = cache.match(r.prompt, len(r.prompt) - 1) if can_hit else cache.match([], 0)
+        hit = cache.match(r.prompt, len(r.prompt) - 1) if self._can_hit(r) else cache.match([], 0)
         cache.lock(hit.node)
         rows = cache.alloc_rows(r.max_processed - hit.length)
         if rows is None:

@@ -21,6 +21,7 @@ from scheduler.messages import (
     StepResult,
     TokenOut,
 )
+from scheduler.policy import SchedulePolicy
 from scheduler.radix_cache import Node
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -292,6 +293,12 @@ CONFIGS = [
     # enough checkpoint slots that hits are common; KV rows still tight
     dict(max_total_tokens=330, max_running_requests=4, num_checkpoint_slots=24,
          chunked_prefill_size=32, checkpoint_interval=16),
+    # lpm reorders admissions and defers chunks (scheduler/policy.py): the books still balance
+    dict(max_total_tokens=330, max_running_requests=4, num_checkpoint_slots=24,
+         chunked_prefill_size=32, checkpoint_interval=16, policy=SchedulePolicy("lpm", 4)),
+    dict(max_total_tokens=260, max_running_requests=3, num_checkpoint_slots=6,
+         chunked_prefill_size=24, checkpoint_interval=8, load_policy="wr", refresh_window=6,
+         policy=SchedulePolicy("lpm", max_passes=1000, mix_ratio=2)),
 ]
 
 

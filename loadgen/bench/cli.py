@@ -21,6 +21,7 @@ from pathlib import Path
 from client.cli_help import DefaultsHelpFormatter
 from loadgen.bench.arms import DEFAULT_MODEL
 from model_runner.compression.placement import PLACEMENTS
+from scheduler.policy import POLICIES
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="requests a server runs at once")
     g.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="new tokens per step, decodes included")
+    g.add_argument("--schedule-policy", choices=POLICIES, default=None,
+                   help="fcfs or lpm (default: dasc-serve's default)")
+    g.add_argument("--schedule-max-passes", type=int, default=None,
+                   help="lpm's fairness bound (default: dasc-serve's default)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,9 @@ def server_flags(args: argparse.Namespace, arm: Arm, size_flags: list[str], max_
              "--max-running-requests", str(args.max_running_requests),
              "--chunked-prefill-size", str(args.chunked_prefill_size),
              "--max-total-tokens", str(kv_rows), *arm.server_flags()]
+    for flag in ("--schedule-policy", "--schedule-max-passes"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        flags += [] if value is None else [flag, str(value)]
     return flags + (["--no-cache-finished"] if args.no_cache_finished else [])
 
 

@@ -1,0 +1,80 @@
+"""Which prefill work a step takes, and in what order (``--schedule-policy``).
+
+``fcfs``  running prefills in admission order, then the waiting queue in arrival order; a step
+          stops admitting at the first request that does not fit.
+``lpm``   shortest remaining prefill first: a waiting request's remaining prefill is its prompt
+          minus the prefix the cache would restore, so among equal prompts the longest prefix
+          match goes first (SGLang's lpm), and hits are not queued behind misses.  A step that
+          already holds prefill chunks defers a chunk more than ``mix_ratio`` times longer
+          than its longest one, so a step of hits (one token each at a prompt-end checkpoint)
+          is not stretched by a miss's whole prompt; the miss runs in the next step.
+
+Fairness bound (lpm): a request is *passed* once each time a request that arrived after it gets
+prefill in a step where it gets none.  Once passed ``max_passes`` times it is overdue: overdue
+requests go first, in arrival order, and are never deferred, so no request waits behind more
+than ``max_passes`` later arrivals (plus the steps those already hold).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import islice
+
+from scheduler.request import Req
+
+POLICIES = ("fcfs", "lpm")
+# lpm ranks at most this many of the oldest waiting requests per step (each costs a prefix
+# match); the rest keep arrival order behind them, as SGLang falls back to fcfs on long queues
+LPM_MAX_RANKED = 128
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulePolicy:
+    name: str = "fcfs"
+    max_passes: int = 32
+    mix_ratio: float = 8.0  # 0: never defer (order only)
+
+    def __post_init__(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.name!r}")
+        if self.max_passes < 0 or self.mix_ratio < 0:
+            raise ValueError("max_passes and mix_ratio must be >= 0")
+
+    def is_overdue(self, r: Req) -> bool:
+        return r.num_passed >= self.max_passes
+
+    def order(self, running: list[Req], waiting: Iterable[Req],
+              remaining: Callable[[Req], int]) -> list[Req]:
+        """Prefill candidates in the order a step offers them budget: ``running`` are the
+        admitted requests still prefilling, ``waiting`` the queue in arrival order."""
+        if self.name == "fcfs":
+            return running + list(waiting)
+        waiting = iter(waiting)
+        ranked = running + list(islice(waiting, LPM_MAX_RANKED))
+
+        def key(r: Req) -> tuple[int, int, int]:
+            if self.is_overdue(r):
+                return (0, 0, r.arrival)
+            return (1, remaining(r), r.arrival)
+
+        return sorted(ranked, key=key) + list(waiting)
+
+    @property
+    def can_defer(self) -> bool:
+        return self.name == "lpm" and self.mix_ratio > 0
+
+    def defers(self, r: Req, chunk_len: int, longest_chunk: int) -> bool:
+        """lpm: keep a chunk out of a step whose prefill chunks are all much shorter."""
+        if not self.can_defer or longest_chunk == 0:
+            return False
+        return chunk_len > self.mix_ratio * longest_chunk and not self.is_overdue(r)
+
+
+def count_passes(skipped: list[Req], served: list[Req]) -> None:
+    """Every request that got no prefill this step is passed by each later arrival that did."""
+    arrivals = sorted(r.arrival for r in served)
+    for r in skipped:
+        r.num_passed += len(arrivals) - bisect_right(arrivals, r.arrival)
