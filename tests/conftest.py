@@ -3,8 +3,8 @@
 fla: transformers binds fla's Triton kernels when its Qwen3-Next / Kimi-Linear modules are
 imported and fla is importable, and those kernels cannot run the CPU references.  Without a CUDA
 device fla is blocked for the whole session (nothing here may reach its kernels).  With one, the
-two modules are imported first with fla blocked, then fla for real, so the CUDA tests reach
-`fla.ops` and helpers such as `random_checkpoints` find fla taken (their
+two modules are imported first with fla blocked, then fla for real (`reference_imports`), so the
+CUDA tests reach `fla.ops` and helpers such as `random_checkpoints` find fla taken (their
 `sys.modules.setdefault("fla", None)` does nothing).
 
 TF32: on NVIDIA, fla's chunk kernels run their fp32 `tl.dot`s in TF32 unless told otherwise.
@@ -17,7 +17,6 @@ it; the figures above include that.)
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -25,22 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-REFERENCE_MODULES = ("transformers.models.kimi_linear.modeling_kimi_linear",
-                     "transformers.models.qwen3_next.modeling_qwen3_next")
-
-
-def import_references_then_fla() -> None:
-    """Import transformers' two model modules with fla blocked (onto their pure-torch paths),
-    then fla itself, so that later imports of either find what they need."""
-    if sys.modules.get("fla") is not None:
-        raise RuntimeError("fla was imported before transformers' reference modules")
-    sys.modules["fla"] = None
-    for name in REFERENCE_MODULES:
-        importlib.import_module(name)
-    del sys.modules["fla"]
-    importlib.import_module("fla")
-
+from reference_imports import import_references_then_fla
 
 if torch.cuda.is_available():
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")

@@ -1,0 +1,110 @@
+"""CPU lane for the CUDA branches: fla's kernels as the runner calls them, and the fixed-shape
+decode step (what a CUDA graph replays) through them, under the Triton interpreter.
+
+One child process (`run_interpreted`, `TRITON_INTERPRET=1`) runs everything; `fla_interpreted`
+makes the interpreter adjustments fla's chunk kernels need, in the harness only.  The references
+are the CPU path of `model_runner.ops.linear_attention` (pure torch) and the runner's CPU eager
+decode.  The interpreter computes exact fp32, so the bounds are fp32 reassociation, far below
+what a wrong layout, gate, scale, state or GVA mapping gives (~1e-1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TESTS
+from serving import KIMI, QWEN
+
+from kernels.interpreted import run_interpreted
+from model_runner.ops.delta_rule import l2norm_div
+from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
+
+SCALE = 0.25
+CU_SEQLENS = [0, 66, 71]  # the first sequence crosses fla's 64-token chunk
+# (model, prompts, decode steps): Kimi pads 3 sequences to the batch-4 step; fla's GDN decode
+# kernel runs ~60 ms per program interpreted, so Qwen decodes one sequence.
+DECODES = [(KIMI, [[5, 9, 33, 12, 7, 80, 3, 44, 21], [6, 2, 77], [90, 14, 15, 16]], 2),
+           (QWEN, [[5, 9, 33, 12, 7, 80, 3]], 2)]
+
+
+def _inputs(per_channel: bool):
+    """q, k with 1 key head serving 2 value heads (GVA), log-space g, post-sigmoid beta."""
+    gen = torch.Generator().manual_seed(int(per_channel))
+    num_tokens, k_dim, v_dim = CU_SEQLENS[-1], 16, 16
+    q = l2norm_div(torch.randn(num_tokens, 1, k_dim, generator=gen))
+    k = l2norm_div(torch.randn(num_tokens, 1, k_dim, generator=gen))
+    v = torch.randn(num_tokens, 2, v_dim, generator=gen)
+    g_shape = (num_tokens, 2, k_dim) if per_channel else (num_tokens, 2)
+    g = -torch.rand(g_shape, generator=gen).pow(3) * 3  # some units forget at once, some never
+    beta = torch.rand(num_tokens, 2, generator=gen)
+    states = torch.randn(2, 2, k_dim, v_dim, generator=gen)
+    return q, k, v, g, beta, states
+
+
+def _decode_args(per_channel: bool):
+    q, k, v, g, beta, states = _inputs(per_channel)
+    rows = [3, 40]  # one token for each of the two states
+    return q[rows], k[rows], v[rows], g[rows], beta[rows], states, SCALE
+
+
+def _prefill_args(per_channel: bool):
+    return (*_inputs(per_channel), CU_SEQLENS, SCALE)
+
+
+CASES = {f"{arch}-{op}": (op, per_channel)
+         for arch, per_channel in (("kda", True), ("gdn", False)) for op in ("prefill", "decode")}
+
+
+@pytest.fixture(scope="module")
+def interpreted(monkeypatch_module) -> dict:
+    calls = [("reference_bindings", ())]
+    for op, per_channel in CASES.values():
+        args = _prefill_args(per_channel) if op == "prefill" else _decode_args(per_channel)
+        calls.append((f"fla_{op}", args))
+    for model_dir, prompts, steps in DECODES:
+        calls += [("greedy_decode", (str(model_dir), prompts, steps, fixed))
+                  for fixed in (False, True)]
+    out = run_interpreted("fla_interpreted", calls, timeout_s=900)
+    results = {"bindings": out[0], **dict(zip(CASES, out[1 : 1 + len(CASES)]))}
+    for i, (model_dir, _, _) in enumerate(DECODES):
+        results[model_dir.name] = out[1 + len(CASES) + 2 * i : 3 + len(CASES) + 2 * i]
+    return results
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(TESTS))  # the child imports the harness from tests/
+        yield mp
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fla_wrapper_matches_cpu_path(case, interpreted):
+    op, per_channel = CASES[case]
+    if op == "prefill":
+        ref = delta_rule_prefill(*_prefill_args(per_channel))
+    else:
+        ref = delta_rule_decode(*_decode_args(per_channel))
+    (o, final), (o_ref, final_ref) = interpreted[case], ref
+    assert o.shape == o_ref.shape and final.shape == final_ref.shape
+    assert o.dtype == final.dtype == torch.float32
+    assert _rel_err(o, o_ref) < 2e-6 and _rel_err(final, final_ref) < 2e-6
+
+
+@pytest.mark.parametrize("model", [m.name for m, _, _ in DECODES])
+def test_fixed_shape_step_through_fla_matches_cpu_decode(model, interpreted):
+    eager, fixed = interpreted[model]
+    assert len(fixed) == len(eager) > 1
+    for ours, ref in zip(fixed, eager):
+        assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
+        assert _rel_err(ours, ref) < 1e-5
+
+
+def test_reference_imports_keep_fla_importable(interpreted):
+    """What conftest does on a CUDA machine: transformers' reference modules bind their torch
+    functions, and fla.ops imports afterwards (the GPU tests need both)."""
+    assert interpreted["bindings"] == {"fla_bound": [], "fla_ops": True}
