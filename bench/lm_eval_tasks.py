@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadgen.tasks.retrieval import gen_s1  # noqa: E402
-from loadgen.tasks.text import random_number  # noqa: E402
+from loadgen.quality.tasks.retrieval import gen_s1  # noqa: E402
+from loadgen.quality.tasks.text import random_number  # noqa: E402
 
 GEN_YAML = """task: dasc_needle_gen
 dataset_path: json

@@ -1,1 +1,2 @@
-"""Load generator reproducing the paper's matched-budget TTFT protocol."""
+"""The HTTP load generator (torch-free): workloads, timed streaming requests, the paper's
+matched-budget protocol; `bench/` the serving experiments; `quality/` the quality study (torch)."""

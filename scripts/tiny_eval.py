@@ -11,7 +11,7 @@ import time
 import tiny_models  # noqa: F401  (blocks fla before transformers models are used)
 import torch
 
-from loadgen.tasks import TASKS, make_instances, score_instance
+from loadgen.quality.tasks import TASKS, make_instances, score_instance
 from model_runner.byte_tokenizer import EOS_ID, PAD_ID, decode_bytes, encode_bytes
 
 NEWLINE_ID = ord("\n")

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from tiny_eval import family_table, quick_eval
 
-from loadgen.tasks import TASKS, make_instances
-from loadgen.tasks.retrieval import single_question
+from loadgen.quality.tasks import TASKS, make_instances
+from loadgen.quality.tasks.retrieval import single_question
 from model_runner.byte_tokenizer import PAD_ID, encode_bytes, write_byte_tokenizer
 
 TRAIN_SEED_BASE = 10_000_000

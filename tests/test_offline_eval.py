@@ -12,13 +12,15 @@ from conftest import ROOT
 from random_checkpoints import make_model
 from runner_scenarios import make_runner
 
-from loadgen.offline_eval import Result, apply_arm, markdown_table, prepare_arm
-from loadgen.tasks import TASKS
+from loadgen.quality.arms import apply_arm, prepare_arm
+from loadgen.quality.results import markdown_table
+from loadgen.quality.sweep import Result
+from loadgen.quality.tasks import TASKS
 from model_runner.batch import SeqInput
 
 
 def test_quick_eval_on_shipped_model():
-    proc = subprocess.run([sys.executable, "-m", "loadgen.offline_eval", "--quick", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "loadgen.quality.cli", "--quick", "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -33,7 +35,7 @@ def test_shipped_models_retrieve_through_full_attention(model):
     """Paper Table 1(a) on the shipped models: they solve single-needle retrieval from a cached
     prefix; without the prefix's full-attention KV retrieval fails, and without its linear
     state (recurrent and conv) S1 barely moves."""
-    cmd = [sys.executable, "-m", "loadgen.offline_eval", "--model",
+    cmd = [sys.executable, "-m", "loadgen.quality.cli", "--model",
            str(ROOT / "model_runner" / "assets" / model), "--tasks", "s1", "--lengths", "512",
            "--n", "8", "--arms", "dense", "zero-full-kv", "zero-linear", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
@@ -45,7 +47,7 @@ def test_shipped_models_retrieve_through_full_attention(model):
 
 
 def test_unknown_task_is_a_clear_error():
-    proc = subprocess.run([sys.executable, "-m", "loadgen.offline_eval", "--tasks", "s9"],
+    proc = subprocess.run([sys.executable, "-m", "loadgen.quality.cli", "--tasks", "s9"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "unknown task 's9'" in proc.stderr
 
@@ -122,7 +124,7 @@ def test_compressed_arm_zero_fills_omitted_units(runner):
 
 
 def test_bad_arm_is_a_clear_error():
-    proc = subprocess.run([sys.executable, "-m", "loadgen.offline_eval", "--arms", "nr@-3"],
+    proc = subprocess.run([sys.executable, "-m", "loadgen.quality.cli", "--arms", "nr@-3"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "unknown arm 'nr@-3'" in proc.stderr
 

@@ -14,13 +14,13 @@ import torch
 from conftest import ROOT
 from transformers import AutoTokenizer
 
-from loadgen.arm_sweep import InstanceScore, Result, sweep
-from loadgen.arms import Arm, expand_arms
-from loadgen.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
-from loadgen.offline_eval import appender, load_results
-from loadgen.paired_stats import holm, paired_bootstrap
-from loadgen.quality_report import compare, paired_diffs, report, table5, targets
-from loadgen.quality_tables import Runs
+from loadgen.quality.arms import Arm, expand_arms
+from loadgen.quality.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
+from loadgen.quality.paired_stats import holm, paired_bootstrap
+from loadgen.quality.report import compare, paired_diffs, report, table5, targets
+from loadgen.quality.results import appender, load_results
+from loadgen.quality.sweep import InstanceScore, Result, sweep
+from loadgen.quality.tables import Runs
 from model_runner.runner import ModelRunner, RunnerConfig
 
 KIMI = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"
@@ -118,7 +118,7 @@ def test_greedy_shortcut_equals_decoding_and_arms_do_not_leak(shipped):
 
 
 def test_every_arm_quick_cli():
-    cmd = [sys.executable, "-m", "loadgen.offline_eval", "--quick", "--tasks", "s1", "--arms",
+    cmd = [sys.executable, "-m", "loadgen.quality.cli", "--quick", "--tasks", "s1", "--arms",
            "dense", "nr", "wr", "nr-int8", "random", "zero-full-kv", "zero-linear", "zero-both",
            "--w-max", "64", "--mask-seeds", "1", "2", "--threads", "1", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -201,7 +201,7 @@ def test_report_tables_have_the_paper_shapes():
 
 
 def test_study_quick_runs_every_arm_and_the_report(tmp_path):
-    cmd = [sys.executable, "-m", "loadgen.offline_eval", "study", "--quick", "--models",
+    cmd = [sys.executable, "-m", "loadgen.quality.cli", "study", "--quick", "--models",
            str(KIMI), "--out-dir", str(tmp_path), "--resamples", "200", "--tasks", "s1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr

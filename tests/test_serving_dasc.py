@@ -17,8 +17,8 @@ import pytest
 import torch
 from serving import KIMI, QWEN, running_server
 
-from loadgen.offline_eval import apply_arm, prepare_arm
-from loadgen.tasks import make_instances
+from loadgen.quality.arms import apply_arm, prepare_arm
+from loadgen.quality.tasks import make_instances
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
 
@@ -85,8 +85,8 @@ def test_dasc_eval_through_the_server_equals_the_offline_arm():
     import sys
 
     from client import DascClient
-    from loadgen.served_eval import answer
-    from loadgen.tasks import TASKS
+    from loadgen.quality.served import answer
+    from loadgen.quality.tasks import TASKS
 
     insts = make_instances("s1", 512, 2, seed=9) + make_instances("fwe", 512, 1, seed=9)
     with running_server("--model", str(KIMI), "--wmax", "128", "--checkpoint-interval",
@@ -99,7 +99,7 @@ def test_dasc_eval_through_the_server_equals_the_offline_arm():
                                         TASKS[inst.task].max_new_tokens)
                 want = bytes(t for t in tokens if t < 256).decode(errors="replace")
                 assert hit and text == want[: want.index("\n") + 1 if "\n" in want else None]
-        cmd = [sys.executable, "-m", "loadgen.offline_eval", "--base-url", server.base_url,
+        cmd = [sys.executable, "-m", "loadgen.quality.cli", "--base-url", server.base_url,
                "--model", str(KIMI), "--tasks", "s1", "--quick", "--json"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

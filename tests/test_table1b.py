@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from random_checkpoints import make_model
 
-from loadgen.table1b import observe, table1b
+from loadgen.quality.table1b import observe, table1b
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.weights import load_decay_params
 from model_runner.runner import ModelRunner, RunnerConfig

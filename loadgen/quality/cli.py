@@ -1,93 +1,39 @@
 """``dasc-eval``: task-suite accuracy and logit fidelity through dasc's runner, with the
 cached-prefix protocol.
 
-Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to what
-the cache would hold (``loadgen.arms``), then answer the question on top: greedy decoding to a
-newline for accuracy, and teacher forcing of question + gold completion for the mean KL of the
-next-token distributions from the dense arm's and the suffix's Δ NLL (``loadgen.fidelity``).
-Each context is prefilled once for all arms (``loadgen.arm_sweep``).  Arms given as a bare
-kind (``nr wr nr-int8 random``) run at every ``--w-max``; random arms once per ``--mask-seeds``.
+Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to
+what the cache would hold (``loadgen.quality.arms``), then answer the question on top: greedy
+decoding to a newline for accuracy, and teacher forcing of question + gold completion for the
+mean KL of the next-token distributions from the dense arm's and the suffix's Δ NLL
+(``loadgen.quality.fidelity``).  Each context is prefilled once for all arms
+(``loadgen.quality.sweep``); results are JSON lines (``loadgen.quality.results``).  Arms
+given as a bare kind (``nr wr nr-int8 random``) run at every ``--w-max``; random arms once per
+``--mask-seeds``.
 ``--out FILE`` appends JSON lines and skips what the file already holds, so an interrupted run
 continues where it stopped.  Every TP rank runs the same loop and rank 0 prints.
 
-Subcommands: ``dasc-eval report`` (tables and a plot from JSON lines, ``loadgen.quality_report``)
-and ``dasc-eval study`` (the whole quality study, ``loadgen.quality_study``).
+Subcommands: ``dasc-eval report`` (tables and a plot from JSON lines, ``loadgen.quality.report``)
+and ``dasc-eval study`` (the whole quality study, ``loadgen.quality.study``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.arm_sweep import NEWLINE, InstanceScore, Result, sweep
-from loadgen.arms import (
-    COMPRESSED,
-    INTERVENTIONS,
+from loadgen.quality.arms import (
     RANDOM_SEED,
-    Arm,
-    apply_arm,
-    apply_intervention,
     expand_arms,
-    parse_arm,
-    prepare_arm,
 )
-from loadgen.tasks import LENGTHS, TASKS
+from loadgen.quality.results import appender, load_results, markdown_table
+from loadgen.quality.sweep import Result, sweep
+from loadgen.quality.tasks import LENGTHS, TASKS
 from model_runner.launch import is_first_rank, is_rank_process, relaunch
-
-__all__ = ["COMPRESSED", "INTERVENTIONS", "NEWLINE", "RANDOM_SEED", "Arm", "InstanceScore",
-           "Result", "apply_arm", "apply_intervention", "expand_arms", "load_results", "main",
-           "markdown_table", "parse_arm", "prepare_arm"]
-
-
-def markdown_table(results: list[Result], tasks: list[str]) -> str:
-    """Rows in the shape of the paper's Table 2: arm, length, one column per subtask, average."""
-    head = "| Arm | Len | " + " | ".join(t.upper() for t in tasks) + " | Avg |"
-    lines = [head, "|" + "---|" * (len(tasks) + 3)]
-    keys = sorted({(r.label, r.length) for r in results}, key=lambda k: (k[0] != "dense", k))
-    for label, length in keys:
-        acc = {r.task: r.accuracy for r in results if r.label == label and r.length == length}
-        cells = [f"{acc[t]:.2f}" for t in tasks]
-        avg = sum(acc[t] for t in tasks) / len(tasks)
-        lines.append(f"| {label} | {length} | " + " | ".join(cells) + f" | {avg:.2f} |")
-    return "\n".join(lines)
-
-
-def load_results(path: str | Path) -> list[Result]:
-    """Results from a JSON-lines file; a line cut short by an interrupted run is skipped."""
-    results = []
-    if not Path(path).exists():
-        return results
-    for line in Path(path).read_text().splitlines():
-        try:
-            results.append(Result.from_json(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    return results
-
-
-def appender(path: str | Path):
-    """emit(results): append JSON lines to ``path`` and flush (rank 0 only)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
-        with path.open("a") as f:  # end a line an interrupted run cut short
-            f.write("\n")
-
-    def emit(results: list[Result]) -> None:
-        if not is_first_rank():
-            return
-        with path.open("a") as f:
-            for r in results:
-                f.write(json.dumps(r.to_json()) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    return emit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
     if raw and raw[0] in ("report", "study"):
         if raw[0] == "report":
-            from loadgen.quality_report import main as sub
+            from loadgen.quality.report import main as sub
         else:
-            from loadgen.quality_study import main as sub
+            from loadgen.quality.study import main as sub
         return sub(raw[1:])
     args = parse_args(argv)
     unknown = [t for t in args.task_list if t not in TASKS]
@@ -169,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         return main_served(args)
     if args.tp > 1 and not is_rank_process():
-        return relaunch(args.tp, "loadgen.offline_eval", raw)
+        return relaunch(args.tp, "loadgen.quality.cli", raw)
     try:
         results = run(args)
     except (ValueError, OSError, KeyError) as e:
@@ -190,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 def main_served(args: argparse.Namespace) -> int:
     import httpx
 
-    from loadgen.served_eval import print_json, run_served
+    from loadgen.quality.served import print_json, run_served
 
     try:
         results, loaded = run_served(args)

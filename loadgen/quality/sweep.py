@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loadgen.arms import Arm, apply_arm, prefix_kv_rows, prepare_arm, touches_kv
-from loadgen.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
-from loadgen.tasks import TASKS, TaskInstance, make_instances, score_instance
+from loadgen.quality.arms import Arm, apply_arm, prefix_kv_rows, prepare_arm, touches_kv
+from loadgen.quality.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
+from loadgen.quality.tasks import TASKS, TaskInstance, make_instances, score_instance
 from model_runner.batch import SeqInput
 from model_runner.engine import decode_until
 from model_runner.launch import is_first_rank

@@ -11,9 +11,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from loadgen.arm_sweep import Result
-from loadgen.arms import parse_arm
-from loadgen.tasks import TASKS
+from loadgen.quality.arms import parse_arm
+from loadgen.quality.sweep import Result
+from loadgen.quality.tasks import TASKS
 
 KINDS = ("nr", "wr", "nr-int8", "random")
 LABELS = {"nr": "dasc-nr", "wr": "dasc-wr", "nr-int8": "dasc-nr INT8", "random": "random"}

@@ -1,0 +1,115 @@
+"""The project's import graph has no cycle, and the HTTP load generator imports no torch.
+
+Every ``import`` counts, also those inside functions: a lazy import only hides a cycle from the
+interpreter, not from a reader (``dasc-eval`` once dispatched to the report, which imported its
+results reader back from the CLI)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("client", "dasc_server", "kernels", "loadgen", "model_runner", "scheduler")
+
+
+def project_modules(root: Path) -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the project modules it imports (a name imported from a module counts as that
+    module unless it is a submodule itself)."""
+    modules = project_modules(root)
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        names = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + [base] if base else parts)
+                names += [f"{base}.{a.name}" for a in node.names]
+        graph[module] = {m for m in map(owner, names) if m and m != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_project_has_no_import_cycle():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_a_cycle_is_found(tmp_path):
+    """The checker itself: a lazy import back into a CLI is a cycle."""
+    package = tmp_path / "loadgen"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "cli.py").write_text("def main():\n    from loadgen.report import run\n"
+                                    "def load():\n    pass\n")
+    (package / "report.py").write_text("from .cli import load\ndef run():\n    pass\n")
+    (package / "plain.py").write_text("import loadgen.report\n")
+    assert cycles(import_graph(tmp_path)) == [["loadgen.cli", "loadgen.report"]]
+
+
+def test_the_load_generator_imports_no_torch():
+    code = ("import sys, loadgen.cli, loadgen.runner, loadgen.phases, loadgen.gateway; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "False"
