@@ -1,7 +1,7 @@
 """The fixed-shape decode path (what a CUDA graph replays) against the runner's eager decode.
 
 On CPU ``DecodeGraphs`` runs the very step a graph records, eagerly: padded batches, row tables
-bucketed by context length, masked batched attention, the all-experts MoE.  It must give the
+bucketed by context length, masked batched attention, the fixed-shape MoE.  It must give the
 eager decode's greedy tokens and logits, leave the real slots' states equal, and its padding must
 write nothing but state slot 0 and the KV scratch row.  With a GPU, replayed graphs must give
 the eager CUDA decode's tokens.
@@ -18,6 +18,7 @@ from test_runner_exact import CONFIGS, STEPS, prompts
 
 from model_runner.batch import SeqInput
 from model_runner.cuda_graph import capture_batch_sizes, context_bucket
+from model_runner.layers import mlp
 from model_runner.runner import ModelRunner, RunnerConfig
 
 PAGE = 4
@@ -81,11 +82,20 @@ def run_schedule(runner: ModelRunner, tokens_from: list[torch.Tensor] | None = N
     return logits, steps
 
 
-@pytest.mark.parametrize("model", ["kimi-tiny", "qwen3-next-tiny", "kda-moe", "gdn-moe"])
-def test_static_decode_equals_eager_decode(model, tmp_path):
+MANY_EXPERTS = {"kda-moe64": {"num_local_experts": 64}, "gdn-moe64": {"num_experts": 64}}
+
+
+@pytest.mark.parametrize("model", ["kimi-tiny", "qwen3-next-tiny", "kda-moe", "gdn-moe",
+                                   "kda-moe64", "gdn-moe64"])
+def test_static_decode_equals_eager_decode(model, tmp_path, monkeypatch):
+    """64 experts top-2: the gathered form at every batch size of the schedule (1 to 8); 4
+    experts top-2 with the gathered form capped at 2 pairs: gathered at batch 1, all experts
+    from batch 2 on."""
     model_dir = {"kimi-tiny": KIMI, "qwen3-next-tiny": QWEN}.get(model, tmp_path)
-    if model.endswith("-moe"):  # the shipped tiny models have dense MLPs only
-        make_model(model[:3], tmp_path)
+    if "-moe" in model:  # the shipped tiny models have dense MLPs only
+        make_model(model[:3], tmp_path, **MANY_EXPERTS.get(model, {}))
+    if model.endswith("-moe"):
+        monkeypatch.setitem(mlp.GATHERED_PAIRS_PER_EXPERT, "cpu", 0.5)
     eager, static = new_runner(model_dir, "cpu", 0), new_runner(model_dir, "cpu", 8)
     sentinel_kv = [c.clone() for c in static.kv.caches]
     sentinel_temporal = static.state.temporal.clone()

@@ -30,6 +30,21 @@ def _intermediate_index(size: int, tp: TPGroup, field: str) -> torch.Tensor:
     return torch.tensor(rank_slice(size, tp))
 
 
+# The fixed-shape MoE takes the gathered form (only the routed experts' weights are read) while
+# pairs (tokens * top_k) <= GATHERED_PAIRS_PER_EXPERT * experts, else the all-experts form (each
+# expert read once, but computed for every token).  CPU, measured on 64 experts of
+# [1024 x 512] top-2 (docs/results/runner.md): gathered is faster at every size tried, up to
+# 512 pairs (8 per expert), by 1.9-10x.  CUDA: not measured; the all-experts form reads E experts,
+# the gathered one reads `pairs` of them, so 1 by bytes, halved for embedding_bag's bandwidth.
+GATHERED_PAIRS_PER_EXPERT = {"cpu": 8.0, "cuda": 0.5}
+
+
+def uses_gathered_experts(num_tokens: int, cfg: ModelConfig, device_type: str = "cpu") -> bool:
+    """Whether a fixed-shape step of ``num_tokens`` takes the gathered-experts form."""
+    limit = GATHERED_PAIRS_PER_EXPERT.get(device_type, GATHERED_PAIRS_PER_EXPERT["cuda"])
+    return num_tokens * cfg.num_experts_per_tok <= limit * cfg.num_experts
+
+
 class DenseMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); ``reduce=False`` leaves the partial sum for the caller."""
 
@@ -62,8 +77,11 @@ class SparseMoE(nn.Module):
         local = len(index)
         router_dtype = torch.float32 if cfg.is_kda else dtype
         self.gate = ReplicatedLinear(hidden, num_experts, router_dtype)
-        self.w13 = new_param(num_experts, 2 * local, hidden, dtype=dtype)  # [E, gate|up, hidden]
-        self.w2 = new_param(num_experts, hidden, local, dtype=dtype)
+        # Stored input-major, [E, in, out] (the transpose of nn.Linear's weight), so that one
+        # expert's weight is H contiguous rows of its output features: the rows the gathered
+        # form's embedding_bag sums.  ``gate_up(e)`` / ``down(e)`` are the [out, in] views.
+        self.w13 = new_param(num_experts, hidden, 2 * local, dtype=dtype)  # [E, hidden, gate|up]
+        self.w2 = new_param(num_experts, local, hidden, dtype=dtype)  # [E, I, hidden]
         self.w13.weight_loader = self._expert_loader(index, dim=0)
         self.w2.weight_loader = self._expert_loader(index, dim=1)
         self.w13.shard_ids = {(half, e) for half in (0, 1) for e in range(num_experts)}
@@ -82,9 +100,9 @@ class SparseMoE(nn.Module):
         def load(p: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int) -> None:
             if isinstance(shard_id, tuple):  # (0 gate | 1 up, expert)
                 half, expert = shard_id
-                dst = p.data[expert].narrow(0, half * len(index), len(index))
+                dst = p.data[expert].t().narrow(0, half * len(index), len(index))
             else:
-                dst = p.data[shard_id]
+                dst = p.data[shard_id].t()
             other = 1 - dim  # the unsharded dim must match exactly
             if loaded.dim() != 2 or loaded.shape[other] != dst.shape[other] or \
                     int(index.max()) >= loaded.shape[dim]:
@@ -119,18 +137,28 @@ class SparseMoE(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:  # x: [N, hidden]
-        """``is_static``: the graph-safe form for fixed-shape decode (every expert on every
-        token, no host sync); otherwise only the routed tokens go through each used expert."""
+        """``is_static``: a graph-safe form for fixed-shape decode (fixed shapes, no host sync):
+        each token gathers its routed experts' weights while few tokens route
+        (``uses_gathered_experts``), else every expert runs on every token; otherwise only the
+        routed tokens go through each used expert, grouped by a host-side sort."""
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
-        if is_static:
-            self._all_experts(x, weights, ids, out)
-        else:
+        if not is_static:
             self._routed_experts(x, weights, ids, out)
+        elif uses_gathered_experts(x.shape[0], self.cfg, x.device.type):
+            self._gathered_experts(x, weights, ids, out)
+        else:
+            self._all_experts(x, weights, ids, out)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return self.tp.all_reduce(out + shared)
+
+    def gate_up(self, expert: int) -> torch.Tensor:
+        return self.w13[expert].t()  # [2I, hidden]
+
+    def down(self, expert: int) -> torch.Tensor:
+        return self.w2[expert].t()  # [hidden, I]
 
     def _routed_experts(self, x, weights, ids, out) -> None:
         """Tokens grouped by expert with one sort: per used expert one contiguous GEMM pair over
@@ -144,18 +172,35 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):  # host sync: the per-expert counts
             if count:
                 rows = slice(start, start + count)
-                gate, up = linear(gathered[rows], self.w13[expert]).chunk(2, dim=-1)
-                h[rows] = linear(F.silu(gate) * up, self.w2[expert])
+                gate, up = linear(gathered[rows], self.gate_up(expert)).chunk(2, dim=-1)
+                h[rows] = linear(F.silu(gate) * up, self.down(expert))
                 start += count
         out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
 
+    def _gathered_experts(self, x, weights, ids, out) -> None:
+        """Fixed shapes, reading only the routed experts, copying no weights: the GEMV of
+        (token, slot) pair p with expert e is a weighted sum of e's H input rows, one bag of
+        ``F.embedding_bag`` over the [E * H, 2I] table (weights x[p]), and likewise for w2."""
+        num_tokens, top_k = ids.shape
+        hidden, inter = x.shape[1], self.w2.shape[1]
+        pairs = ids.reshape(-1, 1)  # [N * k, 1], token-major
+        xs = x.repeat_interleave(top_k, dim=0)  # [N * k, hidden]
+        rows = pairs * hidden + torch.arange(hidden, device=x.device)  # [N * k, hidden]
+        gate, up = F.embedding_bag(rows, self.w13.view(-1, 2 * inter), per_sample_weights=xs,
+                                   mode="sum").chunk(2, dim=-1)  # [N * k, I] each
+        rows = pairs * inter + torch.arange(inter, device=x.device)  # [N * k, I]
+        h = F.embedding_bag(rows, self.w2.view(-1, hidden), per_sample_weights=F.silu(gate) * up,
+                            mode="sum")  # [N * k, hidden]
+        routed = h.view(num_tokens, top_k, -1) * weights[:, :, None]
+        out.add_(routed.sum(dim=1).to(out.dtype))
+
     def _all_experts(self, x, weights, ids, out) -> None:
         """Fixed shapes: a dense routing matrix [N, E] (0 where not routed) weighs every
-        expert's output.  Decode batches are small, so reading every expert's weights is what
-        the routed form does anyway once the batch routes to most experts."""
+        expert's output; reads every expert once, cheaper than gathering once the batch routes
+        more pairs than ``uses_gathered_experts`` allows."""
         dense = torch.zeros(x.shape[0], self.cfg.num_experts, dtype=weights.dtype,
                             device=x.device).scatter_(1, ids, weights)  # [N, E]
         for expert in range(self.cfg.num_experts):
-            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = F.linear(x, self.gate_up(expert)).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down(expert))
             out.add_((h * dense[:, expert, None]).to(out.dtype))
