@@ -3,8 +3,9 @@
 KDA on disk, per head h (a "bundle"): rows ``[h*K, (h+1)*K)`` of q/k/v_proj, of q/k/v_conv1d,
 of f_b_proj, g_b_proj and dt_bias; ``A_log[0, 0, h, 0]``; row h of b_proj; columns
 ``[h*K, (h+1)*K)`` of o_proj.  f_a_proj and g_a_proj (low rank) are replicated.
-MLA caches the latent ``[norm(kv_nope) (kv_lora_rank) | k_rot (rope_dim)]`` per token; each rank
-expands it with its heads' rows of kv_b_proj.
+MLA caches the latent ``[norm(kv_nope) (kv_lora_rank) | k_rot (rope_dim)]`` per token; prefill
+expands it with the rank's heads' rows of kv_b_proj, decode (one new token) attends over it
+directly with kv_b_proj absorbed into the query and the output (``model_runner.layers.mla``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from model_runner.config import ModelConfig
-from model_runner.layers.attention import paged_attention, store_kv
+from model_runner.layers.attention import causal_attention, paged_attention, store_kv
 from model_runner.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -23,6 +24,7 @@ from model_runner.layers.linear import (
     new_param,
     rank_slice,
 )
+from model_runner.layers.mla import absorb_query, latent_attention, split_kv_b, up_project_values
 from model_runner.layers.norm import GatedRMSNorm, RMSNorm
 from model_runner.models.common import (
     DecoderLayer,
@@ -104,6 +106,7 @@ class MLAttention(nn.Module):
             dtype)
         self.o_proj = RowParallelLinear(group_rows(heads, cfg.v_head_dim), hidden, tp, dtype)
         self.scale = qk**-0.5
+        self.absorb_decode = True  # False: decode expands the cache too (tests compare)
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [L, kv_lora + rope] -> k [L, H, nope + rope], v [L, H, Dv]."""
@@ -125,8 +128,35 @@ class MLAttention(nn.Module):
             [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         cache = ctx.kv.caches[self.full_index]  # [rows, kv_lora + rope]
         store_kv(ctx.batch, cache, torch.cat([self.kv_a_layernorm(kv_nope), k_rot], dim=-1))
-        o = paged_attention(ctx.batch, q, cache, self._expand, self.scale)
-        return self.o_proj(o.reshape(n, -1))
+        return self.o_proj(self._attention(ctx.batch, q, cache).reshape(n, -1))
+
+    def _attention(self, batch, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """q [N, H, qk] -> [N, H, Dv]: absorbed for one-token sequences (decode, the static step),
+        expanded for longer ones (prefill chunks)."""
+        cfg = self.cfg
+        cu = batch.cu_seqlens
+        singles = [i for i in range(batch.num_seqs) if cu[i + 1] - cu[i] == 1]
+        if not self.absorb_decode or not (batch.is_static or singles):
+            return paged_attention(batch, q, cache, self._expand, self.scale)
+        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, cfg.qk_nope_head_dim)
+        if batch.is_static:  # one query per sequence over its row table [B, C]
+            rows = cache[batch.kv_table.reshape(-1)].view(*batch.kv_table.shape, -1)
+            o_lat = latent_attention(absorb_query(q, w_uk), rows, cfg.kv_lora_rank, self.scale,
+                                     batch.kv_lens)
+            return up_project_values(o_lat, w_uv)
+        out = q.new_empty(q.shape[0], self.num_heads, cfg.v_head_dim)
+        index = torch.tensor([cu[i] for i in singles], device=q.device)
+        q_abs = absorb_query(q[index], w_uk)  # [S, H, kv_lora + rope]
+        o_lat = torch.cat([latent_attention(q_abs[j, None], cache[batch.kv_read_index[i]][None],
+                                            cfg.kv_lora_rank, self.scale)
+                           for j, i in enumerate(singles)])  # [S, H, kv_lora]
+        out[index] = up_project_values(o_lat, w_uv)
+        for i in range(batch.num_seqs):
+            a, b = cu[i], cu[i + 1]
+            if b - a > 1:
+                k, v = self._expand(cache[batch.kv_read_index[i]])
+                out[a:b] = causal_attention(q[a:b], k, v, batch.prefix_lens[i], self.scale)
+        return out
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):

@@ -1,0 +1,52 @@
+"""Absorbed MLA decode: attention over the cached latent rows, never expanded into K and V.
+
+An MLA cache row is ``c = [latent (kv_lora) | k_rot (rope)]``.  Head h's key is
+``[W_uk[h] latent | k_rot]`` and its value ``W_uv[h] latent``, with ``kv_b_proj.weight`` =
+``[H, W_uk (nope) | W_uv (Dv), kv_lora]``.  So
+
+    q[h] . k[h]   = (W_uk[h]^T q_nope[h]) . latent + q_rot[h] . k_rot = q_abs[h] . c
+    sum_t p_t v_t = W_uv[h] (sum_t p_t latent_t)
+
+with ``q_abs[h] = [W_uk[h]^T q_nope[h] | q_rot[h]]`` (kv_lora + rope wide): one query
+projection and one output projection per token instead of expanding every cached row of the
+context (``L * H * (nope + Dv) * kv_lora`` multiply-adds per step).  All heads share the one
+latent row, as multi-query attention.  Prefill keeps the expanded form: there each expanded
+row serves many queries, and attention over 192-wide keys beats 576-wide latent rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def split_kv_b(weight: torch.Tensor, num_heads: int, nope_dim: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj.weight [H * (nope + Dv), kv_lora] -> views W_uk [H, nope, kv_lora],
+    W_uv [H, Dv, kv_lora]."""
+    w = weight.view(num_heads, -1, weight.shape[-1])
+    return w[:, :nope_dim], w[:, nope_dim:]
+
+
+def absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [N, H, nope + rope] -> q_abs [N, H, kv_lora + rope]."""
+    nope = w_uk.shape[1]
+    q_nope, q_rot = q[..., :nope], q[..., nope:]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora]
+    return torch.cat([q_lat, q_rot], dim=-1)
+
+
+def latent_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora: int, scale: float,
+                     lens: torch.Tensor | None = None) -> torch.Tensor:
+    """q_abs [B, H, D] over cache rows [B, C, D] (D = kv_lora + rope) -> [B, H, kv_lora];
+    with ``lens`` [B], columns [lens, C) are padding and masked."""
+    scores = torch.bmm(q_abs, rows.transpose(1, 2)) * scale  # [B, H, C]
+    if lens is not None:
+        padding = torch.arange(rows.shape[1], device=rows.device)[None] >= lens[:, None]
+        scores = scores.masked_fill(padding[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_abs.dtype)
+    return torch.bmm(probs, rows[..., :kv_lora])
+
+
+def up_project_values(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [N, H, kv_lora] -> per-head outputs [N, H, Dv]."""
+    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
