@@ -7,8 +7,8 @@ is one 576-term dot product either way (absorbed: ``(W_uk^T q) . latent``; expan
 weighted latents projected once instead of a weighted sum of projected rows.  Each order has a
 relative rounding error of a few FP32 ulps times the depth of the sums (~1e-6 here), which
 softmax and the following layers carry through unamplified at these magnitudes; the limits
-below are 1e-5 of the reference's largest magnitude, 7-15x the observed 0.7e-6 - 1.5e-6.  Greedy tokens
-must be equal.
+below are 1e-5 of the reference's largest magnitude, 7-15x the observed 0.7e-6 - 1.5e-6.
+Greedy tokens must be equal.
 """
 
 from __future__ import annotations
