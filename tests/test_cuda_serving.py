@@ -10,6 +10,26 @@ from test_serving_dasc import offline_arm
 from test_serving_exact import FAMILY, PROMPT_A, PROMPT_B, Reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+READY_S = 900  # a cold Triton cache: the server compiles fla's kernels and captures its graphs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_triton_cache():
+    """Compile (and autotune) fla's kernels at this model's shapes once, in this process: the
+    servers then load them from Triton's disk cache instead of compiling inside a request
+    (whose client timeout is 120 s)."""
+    from model_runner.batch import SeqInput
+    from model_runner.runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(str(KIMI), device="cuda", num_pages=64, page_size=16,
+                                      num_state_slots=4))
+    seqs = [SeqInput(PROMPT_A, 0, list(range(16)), 1), SeqInput(PROMPT_B[:9], 0,
+                                                                 list(range(16, 32)), 2)]
+    next_ids = runner.forward(seqs).argmax(-1).tolist()
+    for seq, token in zip(seqs, next_ids):
+        seq.prefix_len, seq.token_ids = len(seq.token_ids), [token]
+    runner.forward(seqs)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -18,7 +38,7 @@ def test_cuda_server_dense_tokens_equal_the_cpu_engine(tp):
         pytest.skip(f"needs {tp} GPUs")
     ref = Reference(KIMI)
     with running_server("--model", str(KIMI), "--device", "cuda", "--tp", str(tp),
-                        "--checkpoint-interval", "32") as server:
+                        "--checkpoint-interval", "32", timeout=READY_S) as server:
         for prompt in (PROMPT_A, PROMPT_B, PROMPT_B, PROMPT_A, *FAMILY):
             body = server.complete(prompt, max_tokens=6, ignore_eos=True)
             assert body["choices"][0]["token_ids"] == ref(prompt)[:6]
@@ -27,7 +47,7 @@ def test_cuda_server_dense_tokens_equal_the_cpu_engine(tp):
 def test_cuda_server_nr_hit_matches_the_cpu_arm():
     context, question = list(b"The sky is blue. abcde: 12345. " * 8), list(b"\nvalue of abcde:")
     with running_server("--model", str(KIMI), "--device", "cuda", "--wmax", "128",
-                        "--checkpoint-interval", "0") as server:
+                        "--checkpoint-interval", "0", timeout=READY_S) as server:
         server.complete(context, max_tokens=1)
         body = server.complete(context + question, max_tokens=8, ignore_eos=True, logprobs=0)
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(context)
