@@ -54,6 +54,7 @@ from dasc_server.responses import (
     sse_frames,
 )
 from dasc_server.structured import response_format_grammar
+from dasc_server.tool_calls import ToolCallStream, ToolPlan, tool_plan
 from scheduler.messages import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -114,10 +115,11 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
                                        type="server_error"), status_code=500)
 
-    def prompt_batch(req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    def prompt_batch(req: CompletionRequest | ChatCompletionRequest,
+                     tools: ToolPlan | None = None) -> list[list[int]]:
         """Each prompt's token ids (a chat request is one prompt)."""
         if isinstance(req, ChatCompletionRequest):
-            return [chat_prompt_ids(tokenizer, req.messages)]
+            return [chat_prompt_ids(tokenizer, req.messages, tools and tools.tools)]
         return [list(tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str)
                 else list(p) for p in req.prompts]
 
@@ -150,15 +152,31 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
             raise RequestError(f"logit_bias token ids must lie in [0, {info.vocab_size})",
                                param="logit_bias")
         echo = not is_chat and bool(req.echo)
+        # echo with max_tokens 0 (lm-eval's scoring): the prompt and its logprobs only; the
+        # engine samples one token (in the prefill step that ends the prompt) that is dropped
+        echo_only = echo and req.max_tokens == 0
+        if req.requested_max_tokens == 0 and not echo_only:
+            raise RequestError("max_tokens must be at least 1 (0 only with echo)",
+                               param="max_tokens")
         grammar = response_format_grammar(req.response_format)
+        tools = tool_plan(req, tokenizer) if is_chat else None
+        if tools is not None and tools.grammar:
+            if grammar:
+                raise RequestError("response_format and forced tool calls cannot both "
+                                   "constrain the output", param="response_format")
+            grammar = tools.grammar
+        if grammar and tokenizer is None:
+            raise RequestError("the model folder has no tokenizer, which a grammar needs",
+                               param="tools" if tools and tools.grammar else "response_format")
         if grammar and (req.ignore_eos or info.eos_token_id is None):
             raise RequestError("response_format needs the model's EOS to end the output "
                                "(no ignore_eos)", param="ignore_eos" if req.ignore_eos
                                else "response_format")
         choices = []
-        for prompt_index, prompt_ids in enumerate(prompt_batch(req)):
+        for prompt_index, prompt_ids in enumerate(prompt_batch(req, tools)):
             try:
-                max_tokens = check_prompt(prompt_ids, req.requested_max_tokens, param=param,
+                max_tokens = check_prompt(prompt_ids, 1 if echo_only else req.requested_max_tokens,
+                                          param=param,
                                           vocab_size=info.vocab_size,
                                           max_context_len=info.max_context_len,
                                           max_total_tokens=info.max_total_tokens)
@@ -179,8 +197,11 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                     repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
                     top_logprobs=req.num_top_logprobs, prompt_logprobs=echo and req.wants_logprobs,
                     grammar=grammar)
-                choices.append(Choice(prompt_index * num_samples + sample_index, prompt_index,
-                                      sample_index, engine.new_rid(), prompt_ids, sampling))
+                choices.append(Choice(
+                    prompt_index * num_samples + sample_index, prompt_index, sample_index,
+                    engine.new_rid(), prompt_ids, sampling,
+                    tool_calls=ToolCallStream() if tools and tools.parses_calls else None,
+                    echo_only=echo_only))
         return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,
                    stop=req.stop_strings,
                    return_token_ids=req.return_token_ids or tokenizer is None,

@@ -28,18 +28,34 @@ def render_fallback(messages: list[ChatMessage]) -> str:
     return lines + FALLBACK_ASSISTANT_PREFIX
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> str:
+def render_chat(tokenizer: Any, messages: list[ChatMessage],
+                tools: list[dict] | None = None) -> str:
+    """``tools`` (OpenAI's shape) go to the template, which must have a tool format
+    (``dasc_server.tool_calls`` checks); so do the messages' tool calls and tool answers."""
     if not getattr(tokenizer, "chat_template", None):
+        if any(m.tool_calls for m in messages):
+            raise RequestError("this model has no chat template, so it cannot render "
+                               "tool_calls", param="messages")
         return render_fallback(messages)
-    conversation = [{"role": m.role, "content": m.text} for m in messages]
+    conversation = [_turn(m) for m in messages]
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False,
+        return tokenizer.apply_chat_template(conversation, tools=tools or None, tokenize=False,
                                              add_generation_prompt=True)
     except Exception as e:  # jinja raises its own types, e.g. for roles out of order
         raise RequestError(f"the chat template rejected the messages: {e}",
                            param="messages") from e
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+def _turn(m: ChatMessage) -> dict:
+    turn: dict[str, Any] = {"role": m.role, "content": m.text}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        if getattr(m, key) is not None:
+            turn[key] = getattr(m, key)
+    return turn
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage],
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of the conversation with an open assistant turn."""
-    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+    text = render_chat(tokenizer, messages, tools)
+    return list(tokenizer.encode(text, add_special_tokens=False))

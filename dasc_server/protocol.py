@@ -195,6 +195,7 @@ class CompletionRequest(_GenerationRequest):
         **_GenerationRequest.UNSUPPORTED, "suffix": (None, "")}
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo (checked in ``app``)
     echo: StrictBool | None = False  # the prompt before the completion (and its logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top-k per token
     suffix: Any = None
@@ -239,6 +240,10 @@ class ChatMessage(BaseModel):
 
     role: str = Field(min_length=1)
     content: str | list[TextPart] | None = None
+    # an assistant turn's calls and a tool turn's answer, for templates with a tool format
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @property
     def text(self) -> str:
@@ -253,7 +258,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **_GenerationRequest.UNSUPPORTED,
-        "tools": (None, []), "tool_choice": (None, "none", "auto"),
         "functions": (None, []), "function_call": (None, "none", "auto"),
         "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
         "reasoning_effort": (None,), "web_search_options": (None,),
@@ -266,8 +270,10 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # checked against the chat template by ``dasc_server.tool_calls``
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -287,7 +293,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs needs logprobs: true")
         return top
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "audio",
+    @field_validator("functions", "function_call", "audio",
                      "modalities", "prediction", "reasoning_effort", "web_search_options",
                      "add_generation_prompt", "continue_final_message", "chat_template",
                      "chat_template_kwargs")

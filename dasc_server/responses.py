@@ -30,6 +30,7 @@ from dasc_server.detokenizer import IncrementalDetokenizer, TextOffsets, token_b
 from dasc_server.engine_client import EngineClient, EngineDead
 from dasc_server.metrics import Metrics
 from dasc_server.protocol import RequestError
+from dasc_server.tool_calls import ToolCallStream, split_calls
 from scheduler.messages import SamplingParams, TokenOut
 
 DONE_FRAME = "data: [DONE]\n\n"
@@ -49,6 +50,8 @@ class Choice:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     offsets: TextOffsets = field(default_factory=TextOffsets)  # completions' text_offset
+    tool_calls: ToolCallStream | None = None  # chat with tools: calls parsed from the text
+    echo_only: bool = False  # echo with max_tokens 0: the engine's one token is dropped
 
 
 @dataclass(slots=True)
@@ -105,6 +108,7 @@ class Delta:
     echo_logprobs: list[float] = field(default_factory=list)
     echo_top_ids: list[list[int]] = field(default_factory=list)
     echo_top_logprobs: list[list[float]] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)  # chat: calls completed here
 
 
 def engine_down(reason: str) -> RequestError:
@@ -130,6 +134,9 @@ async def _deltas(engine: EngineClient, tokenizer: Any | None, job: Job, choice:
                     if engine.dead is not None:
                         raise engine_down(engine.dead)
                     raise RequestError(out.error or "the scheduler refused the request")
+                if choice.echo_only:
+                    out = replace(out, token_ids=[], logprobs=[], top_ids=[], top_logprobs=[],
+                                  finish_reason="length" if out.finished else None)
                 if out.token_ids and not choice.num_completion_tokens:
                     job.metrics.ttft.observe(time.perf_counter() - job.arrived)
                 choice.num_completion_tokens += len(out.token_ids)
@@ -278,9 +285,11 @@ def _logprobs(job: Job, choice: Choice, got: Delta | _Collected, tokenizer: Any 
 def _chunk(job: Job, choice: Choice, delta: Delta, tokenizer: Any | None, is_first: bool
            ) -> dict:
     if job.is_chat:
-        message: dict[str, str] = {"role": "assistant"} if is_first else {}
+        message: dict[str, Any] = {"role": "assistant"} if is_first else {}
         if delta.text or is_first:
             message["content"] = delta.text
+        if delta.tool_calls:
+            message["tool_calls"] = delta.tool_calls
         body: dict[str, Any] = {"delta": message}
     else:
         body = {"text": delta.text}
@@ -295,10 +304,12 @@ async def sse_frames(engine: EngineClient, tokenizer: Any | None, job: Job) -> A
     try:
         async with aclosing(_all_deltas(engine, tokenizer, job)) as deltas:
             async for choice, delta in deltas:
+                if choice.tool_calls is not None:
+                    _split_tool_calls(choice.tool_calls, delta)
                 # Chunks without text would give clients a first "token" that is not one,
                 # unless they carry the token (its id, its logprobs).
                 has_ids = (job.return_token_ids or job.logprobs) and delta.token_ids
-                if not (delta.text or delta.finish_reason or has_ids):
+                if not (delta.text or delta.finish_reason or has_ids or delta.tool_calls):
                     continue
                 yield _sse_frame(_chunk(job, choice, delta, tokenizer,
                                         choice.index not in started))
@@ -310,6 +321,29 @@ async def sse_frames(engine: EngineClient, tokenizer: Any | None, job: Job) -> A
     if job.include_usage:
         yield _sse_frame({**job.envelope(chunk=True), "choices": [], "usage": job.usage()})
     yield DONE_FRAME
+
+
+def _split_tool_calls(stream: ToolCallStream, delta: Delta) -> None:
+    """A streamed delta's text -> content and the calls it completes; held text that may
+    begin a call is sent when it cannot, or at the end."""
+    delta.text, delta.tool_calls = stream.feed(delta.text)
+    if delta.finish_reason is not None:
+        delta.text += stream.finish()
+        if stream.calls and delta.finish_reason == "stop":
+            delta.finish_reason = "tool_calls"
+
+
+def _message(choice: Choice, got: _Collected) -> dict:
+    """A chat choice's message; with tools, its calls apart from its content."""
+    text = "".join(got.texts)
+    if choice.tool_calls is None:
+        return {"role": "assistant", "content": text}
+    content, calls = split_calls(text)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    if got.finish_reason == "stop":
+        got.finish_reason = "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
 @dataclass(slots=True)
@@ -365,9 +399,8 @@ async def complete_body(engine: EngineClient, tokenizer: Any | None, job: Job) -
             got.finish_reason = delta.finish_reason
     choices = []
     for choice, got in _best(job, collected):
-        text = "".join(got.texts)
-        body = ({"message": {"role": "assistant", "content": text}} if job.is_chat
-                else {"text": text})
+        body = ({"message": _message(choice, got)} if job.is_chat
+                else {"text": "".join(got.texts)})
         choices.append(_choice(job, choice, body, got, tokenizer, with_prompt_ids=True))
     return {**job.envelope(chunk=False), "choices": choices, "usage": job.usage()}
 

@@ -47,21 +47,29 @@ class TokenizerCache:
 
 
 class GrammarMatcher:
-    """One request's grammar state.  A matcher that errs (a grammar llguidance cannot build,
-    which the front end's validation should have caught) allows only EOS, so the request ends
-    instead of the rank; the error goes to stderr."""
+    """One request's grammar state.  A grammar that cannot be built here (no tokenizer in the
+    model folder, or a grammar the front end's validation let through) allows only EOS, so
+    the request ends instead of the rank; the reason goes to stderr."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.eos = tokenizer.eos_token
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    def __init__(self, tokenizer: TokenizerCache, grammar: str, vocab_size: int):
+        self.vocab_size, self.eos = vocab_size, tokenizer.eos_token_id
+        self.matcher: llguidance.LLMatcher | None = None
+        try:
+            self.matcher = llguidance.LLMatcher(tokenizer(), grammar, log_level=0)
+        except Exception as e:  # the tokenizer failed to load: end the request, not the rank
+            print(f"dasc grammar error: {type(e).__name__}: {e}", file=sys.stderr)
         self._report()
+
+    @property
+    def is_broken(self) -> bool:
+        return self.matcher is None or self.matcher.is_error()
 
     def allowed(self, device: torch.device) -> torch.Tensor:
         """bool [vocab_size]: the tokens the grammar allows next."""
-        if self.matcher.is_error():
+        if self.is_broken:
             only_eos = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            only_eos[self.eos] = True
+            if self.eos is not None:
+                only_eos[self.eos] = True
             return only_eos
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         mask = np.zeros(self.vocab_size, dtype=bool)  # logits wider than the tokenizer: False
@@ -70,10 +78,10 @@ class GrammarMatcher:
         return torch.from_numpy(mask).to(device)
 
     def consume(self, token: int) -> None:
-        if not self.matcher.is_error():
+        if not self.is_broken:
             self.matcher.consume_token(token)
             self._report()
 
     def _report(self) -> None:
-        if self.matcher.is_error():
+        if self.matcher is not None and self.matcher.is_error():
             print(f"dasc grammar error: {self.matcher.get_error()}", file=sys.stderr)

@@ -10,12 +10,11 @@ keep that property because each one reads only its own request's row and history
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from model_runner.grammar import GrammarMatcher
+from model_runner.grammar import GrammarMatcher, TokenizerCache
 from scheduler.messages import LogitControls, Sample
 
 _MIX = 0x9E3779B97F4A7C15
@@ -28,7 +27,7 @@ class RequestControls:
     the grammar's matcher (``grammar_tokenizer`` builds the tokenizer it needs)."""
 
     def __init__(self, c: LogitControls, vocab_size: int, device: torch.device,
-                 grammar_tokenizer: Callable[[], object] | None = None):
+                 grammar_tokenizer: TokenizerCache | None = None):
         self.c = c
         self.num_sampled = 0
         self.bias_ids = self.bias = self.counts = self.seen = self.banned = None
@@ -36,7 +35,7 @@ class RequestControls:
         if c.grammar:
             if grammar_tokenizer is None:
                 raise RuntimeError("a request has a grammar, but rank 0 has no tokenizer")
-            self.matcher = GrammarMatcher(grammar_tokenizer(), c.grammar, vocab_size)
+            self.matcher = GrammarMatcher(grammar_tokenizer, c.grammar, vocab_size)
         if c.logit_bias:
             self.bias_ids = torch.tensor(list(c.logit_bias), dtype=torch.long, device=device)
             self.bias = torch.tensor(list(c.logit_bias.values()), dtype=torch.float32,
@@ -87,7 +86,7 @@ class LogitControlTable:
     have no entry and cost one dict miss per sampled token.  ``grammar_tokenizer`` (a
     ``model_runner.grammar.TokenizerCache``) serves requests with a grammar."""
 
-    def __init__(self, grammar_tokenizer: Callable[[], object] | None = None):
+    def __init__(self, grammar_tokenizer: TokenizerCache | None = None):
         self._reqs: dict[str, RequestControls] = {}
         self.grammar_tokenizer = grammar_tokenizer
 

@@ -111,6 +111,28 @@ def test_echo_logprobs_batch_and_stream(oai, reference):
                         whole.text_offset)
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone(oai, reference):
+    """OpenAI allows ``max_tokens: 0`` with ``echo`` (lm-eval's scoring in some modes): the
+    prompt, its logprobs, no generated token."""
+    got = complete(oai, echo=True, logprobs=2, max_tokens=0)
+    choice, n = got.choices[0], len(PROMPT_IDS)
+    assert choice.text == prompt_text() and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [text_of(t) for t in PROMPT_IDS] and len(lp.token_logprobs) == n
+    assert lp.token_logprobs[0] is None and lp.text_offset == list(range(n))
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), torch.tensor(reference),
+                               atol=ATOL, rtol=0)
+    assert got.usage.completion_tokens == 0 and got.usage.prompt_tokens == n
+    streamed = joined_logprobs(complete(oai, echo=True, logprobs=2, max_tokens=0, stream=True))
+    assert streamed == (lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset)
+    plain = complete(oai, prompt=[PROMPT_IDS, list(b"Hi")], echo=True, max_tokens=0)
+    assert [c.text for c in plain.choices] == [prompt_text(), "Hi"]
+    assert all(c.logprobs is None for c in plain.choices)
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(oai, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
 def test_scheduler_asks_for_every_prompt_token_once_and_skips_the_cache():
     cfg = SchedulerConfig(max_total_tokens=256, max_running_requests=4, num_checkpoint_slots=8,
                           max_context_len=256, vocab_size=300, chunked_prefill_size=7,

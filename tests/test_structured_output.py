@@ -1,11 +1,13 @@
-"""Structured output against a real dasc-serve with the official ``openai`` client:
-``response_format`` json_schema (``chat.completions.parse`` with a pydantic model) and
+"""Structured output and tool calls against a real dasc-serve with the official ``openai``
+client: ``response_format`` json_schema (``chat.completions.parse`` with a pydantic model) and
 json_object on both routes, streamed and not, a cut at ``max_tokens`` reported as "length",
-schemas the grammar cannot enforce refused with a 400.
+schemas the grammar cannot enforce refused with a 400; ``tools`` with ``tool_choice`` required,
+a named function, ``parallel_tool_calls`` false and auto, streamed and not, and a conversation
+that carries calls and their results back.
 
 The server runs the built-in tiny Kimi-Linear model (byte tokenizer) from a copy of its folder
-whose tokenizer carries a hermes-style chat template, so the tool-call tests
-(``test_tool_calls.py`` shares the fixture) have a template with a tool format.
+whose tokenizer carries a hermes-style chat template (the shipped one has no template, so no
+tool format: ``test_server_api`` checks its 400).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import shutil
 from typing import Literal
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -137,3 +140,109 @@ def test_ignore_eos_cannot_end_the_json(oai):
                                extra_body={"response_format": {"type": "json_object"},
                                            "ignore_eos": True})
     assert info.value.body["param"] == "ignore_eos"
+
+
+# ---- tools -------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 8},
+                                  "unit": {"enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["utc", "cet"]}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+def streamed_calls(oai, **kwargs) -> tuple[list[tuple[str, dict]], str | None, str]:
+    """Accumulate a stream's tool-call deltas as OpenAI's clients do: by index, arguments
+    concatenated."""
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in oai.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            got = calls.setdefault(c.index, {"name": "", "arguments": "", "id": c.id})
+            got["name"] += c.function.name or ""
+            got["arguments"] += c.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return ([(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())],
+            finish, content)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_forced_tool_calls_streamed_and_not(oai, choice):
+    kwargs = dict(model=MODEL_NAME, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                  max_tokens=200, temperature=1.0, seed=2)
+    got = oai.chat.completions.create(**kwargs).choices[0]
+    # one call (named), or as many as the model writes (required: it may go on to max_tokens,
+    # a cut call then stays content)
+    assert got.finish_reason == "tool_calls" or (choice == "required"
+                                                 and got.finish_reason == "length")
+    calls = calls_of(got.message)
+    assert calls and all(name in ("get_weather", "get_time") for name, _ in calls)
+    if isinstance(choice, dict):
+        assert [name for name, _ in calls] == ["get_time"]
+    for name, args in calls:
+        if name == "get_time":
+            assert args["zone"] in ("utc", "cet")
+        else:
+            assert args["unit"] in ("c", "f") and len(args["city"]) <= 8
+    assert all(c.id.startswith("call_") and c.type == "function"
+               for c in got.message.tool_calls)
+    assert streamed_calls(oai, **kwargs)[:2] == (calls, got.finish_reason)
+
+
+def test_parallel_tool_calls_false_makes_one_call(oai):
+    for seed in range(3):
+        got = oai.chat.completions.create(
+            model=MODEL_NAME, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=300, temperature=1.5, seed=seed).choices[0]
+        assert got.finish_reason == "tool_calls" and len(got.message.tool_calls) == 1
+
+
+def test_auto_and_none_answer_in_text_when_the_model_writes_text(oai):
+    for choice in ("auto", "none"):
+        got = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[WEATHER],
+                                          tool_choice=choice, max_tokens=20,
+                                          temperature=0.0).choices[0]
+        assert got.finish_reason in ("stop", "length") and not got.message.tool_calls
+        assert got.message.content
+
+
+def test_a_conversation_carries_calls_and_results_back(oai):
+    first = oai.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[WEATHER],
+                                        tool_choice="required", parallel_tool_calls=False,
+                                        max_tokens=300, temperature=0.0).choices[0].message
+    call = first.tool_calls[0]
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 c"}]
+    again = oai.chat.completions.create(model=MODEL_NAME, messages=turns, tools=[WEATHER],
+                                        max_tokens=8, temperature=0.0)
+    assert again.usage.prompt_tokens > 0 and again.choices[0].finish_reason in (
+        "stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": False},
+     "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_tool_requests_are_400(url, extra, param):
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, **extra}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -95,3 +95,15 @@ def test_grammar_wins_over_min_tokens_and_bias():
     c = grammar_controls(grammar, min_tokens=20, bias={ord("x"): 100.0})
     out = run({"a": (c, 0.0)})["a"]
     assert text(out) == '"ok"'
+
+
+def test_a_grammar_rank_0_cannot_build_ends_the_request_not_the_rank(tmp_path, capfd):
+    """No tokenizer in the model folder: the request ends with EOS at once, the error goes to
+    stderr, and the other rows of the batch sample as before."""
+    table = LogitControlTable(TokenizerCache(tmp_path, MODEL_VOCAB_SIZE, EOS_ID))
+    specs = [Sample(1.0, 1.0, 0, 3, 0, grammar_controls(json_schema_grammar(SCHEMA))),
+             Sample(1.0, 1.0, 0, 4, 0)]
+    logits = torch.cat([logits_for(1, 0), logits_for(2, 0)])
+    tokens, *_ = sample_tokens(logits, specs, table.for_batch(["bad", "ok"], specs, logits))
+    assert tokens[0] == EOS_ID and "dasc grammar error" in capfd.readouterr().err
+    assert tokens[1] == sample_tokens(logits[1:], specs[1:]).token_ids[0]

@@ -1,0 +1,183 @@
+"""Chat ``tools`` and ``tool_choice`` for models whose chat template writes hermes-style calls::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+(Qwen3-Next's format.)  The template renders the tools into the prompt; ``tool_choice``
+decides the output: ``"none"`` leaves it alone (text only), ``"auto"`` (the default with tools)
+lets the model choose and parses the calls it writes, ``"required"`` and a named function force
+calls through a grammar whose JSON is each tool's ``{"name", "arguments"}`` schema (one call
+when ``parallel_tool_calls`` is false).  Calls come back as OpenAI ``tool_calls`` (arguments a
+JSON string) with ``finish_reason: "tool_calls"``; text outside the calls stays ``content``.
+
+A template without that format (the built-in tiny models have no template at all) cannot
+carry tools: a request with tools gets a 400 naming ``tools``, never a silent drop.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+
+from dasc_server.protocol import ChatCompletionRequest, RequestError
+from dasc_server.structured import COMPACT, checked
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def has_tool_format(tokenizer: Any | None) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates
+        template = " ".join(str(t) for t in template.values())
+    return isinstance(template, str) and OPEN in template
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    tools: list[dict]  # as the request sent them, for the template
+    grammar: str  # "" unless the calls are forced
+    parses_calls: bool  # False for tool_choice "none"
+
+
+def tool_plan(req: ChatCompletionRequest, tokenizer: Any | None) -> ToolPlan | None:
+    """What the request's tools ask for; None when it has none."""
+    tools, choice = req.tools or [], req.tool_choice
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice needs tools", param="tool_choice")
+        return None
+    names = _checked_tools(tools)
+    if not has_tool_format(tokenizer):
+        raise RequestError("this model's chat template has no tool-call format (hermes-style "
+                           f"{OPEN}...{CLOSE}), so it cannot take tools", param="tools")
+    one_call = req.parallel_tool_calls is False
+    if choice in (None, "auto"):
+        if one_call:
+            raise RequestError("parallel_tool_calls false needs tool_choice required or a "
+                               "named function", param="parallel_tool_calls")
+        return ToolPlan(tools, "", True)
+    if choice == "none":
+        return ToolPlan(tools, "", False)
+    if choice == "required":
+        return ToolPlan(tools, calls_grammar(tools, one_call), True)
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(name, str)):
+        raise RequestError('tool_choice must be "none", "auto", "required" or {"type": '
+                           '"function", "function": {"name": ...}}', param="tool_choice")
+    if name not in names:
+        raise RequestError(f"tool_choice names {name!r}, which is not among the tools",
+                           param="tool_choice")
+    return ToolPlan(tools, calls_grammar([tools[names.index(name)]], True), True)
+
+
+def _checked_tools(tools: Any) -> list[str]:
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list", param="tools")
+    names = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type") != "function"
+                or not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("parameters", {}), dict)):
+            raise RequestError('each tool must be {"type": "function", "function": {"name": '
+                               '..., "parameters": {...}}}', param="tools")
+        names.append(function["name"])
+    return names
+
+
+def calls_grammar(tools: list[dict], one_call: bool) -> str:
+    """Calls of these tools, hermes-style, one or more (``one_call``: exactly one)."""
+    options = [{"type": "object", "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t["function"]["name"]},
+                               "arguments": t["function"].get("parameters")
+                               or {"type": "object"}}} for t in tools]
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}),
+              "x-guidance": COMPACT}
+    repeat = "" if one_call else ' ("\\n" call)*'
+    lark = (f"start: call{repeat}\n"
+            f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n')
+    return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def _call(body: str) -> dict | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+        return None
+    arguments = obj.get("arguments", {})
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": arguments if isinstance(
+                arguments, str) else json.dumps(arguments, ensure_ascii=False)}}
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """Splits a choice's text, delta by delta, into content and complete tool calls.  Text
+    that may begin a call (a prefix of ``<tool_call>``) is held until it is decided; a call
+    whose JSON does not parse stays content, as written."""
+
+    pending: str = ""
+    in_call: bool = False
+    after_call: bool = False  # newlines that separate calls are not content
+    calls: list[dict] = field(default_factory=list)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """-> (content to send now, calls completed now)."""
+        self.pending += text
+        content, new = "", []
+        while True:
+            if not self.in_call:
+                if self.after_call:
+                    self.pending = self.pending.lstrip("\n")
+                    self.after_call = not self.pending
+                at = self.pending.find(OPEN)
+                if at < 0:
+                    keep = _partial_suffix(self.pending, OPEN)
+                    content += self.pending[: len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    return content, new
+                content += self.pending[:at]
+                self.pending, self.in_call = self.pending[at + len(OPEN):], True
+            end = self.pending.find(CLOSE)
+            if end < 0:
+                return content, new
+            call = _call(self.pending[:end].strip())
+            if call is None:
+                content += OPEN + self.pending[: end + len(CLOSE)]
+            else:
+                call["index"] = len(self.calls)
+                self.calls.append(call)
+                new.append(call)
+            self.pending, self.in_call = self.pending[end + len(CLOSE):], False
+            self.after_call = call is not None
+
+    def finish(self) -> str:
+        """The held text, as content (an unfinished call is content too)."""
+        rest = (OPEN if self.in_call else "") + self.pending
+        self.pending, self.in_call = "", False
+        return rest
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def split_calls(text: str) -> tuple[str | None, list[dict]]:
+    """A whole output -> (content or None, tool calls)."""
+    stream = ToolCallStream()
+    content, calls = stream.feed(text)
+    content = (content + stream.finish()).strip()
+    return content or None, [{k: v for k, v in c.items() if k != "index"} for c in calls]

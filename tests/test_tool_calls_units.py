@@ -1,0 +1,90 @@
+"""Tool calls in the front end (dasc_server/tool_calls.py), without a server: hermes-style
+calls split from text delta by delta (any split of the text gives the same content and calls),
+malformed calls kept as content, the tool_choice rules and the grammar that forces calls."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import llguidance
+import llguidance.hf
+import pytest
+from serving import KIMI
+from transformers import AutoTokenizer
+
+from dasc_server.protocol import ChatCompletionRequest, RequestError
+from dasc_server.tool_calls import (
+    ToolCallStream,
+    calls_grammar,
+    has_tool_format,
+    split_calls,
+    tool_plan,
+)
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+TEXT = f'Let me look. {CALL}\n{CALL.replace("1", "2")}\nbye <tool_ <tool_call>{{broken</tool_call>'
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+    "additionalProperties": False}}}
+
+
+def streamed(text: str, cuts: list[int]) -> tuple[str, list[dict]]:
+    stream, content, calls = ToolCallStream(), "", []
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        got, new = stream.feed(text[a:b])
+        content, calls = content + got, calls + new
+    return content + stream.finish(), calls
+
+
+def test_any_split_gives_the_same_content_and_calls():
+    whole = streamed(TEXT, [])
+    assert [json.loads(c["function"]["arguments"]) for c in whole[1]] == [{"x": 1}, {"x": 2}]
+    assert whole[0] == 'Let me look. bye <tool_ <tool_call>{broken</tool_call>'
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(TEXT)), rng.randrange(1, 12)))
+        content, calls = streamed(TEXT, cuts)
+        assert content == whole[0]
+        assert [c["function"] for c in calls] == [c["function"] for c in whole[1]]
+    assert streamed("a <tool_call>\n{\"name\": \"f\"", [5]) == ('a <tool_call>\n{"name": "f"', [])
+
+
+def test_split_calls():
+    content, calls = split_calls(CALL)
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert calls[0]["type"] == "function" and "index" not in calls[0]
+    assert split_calls("just text") == ("just text", [])
+
+
+def test_template_format_and_choice_rules():
+    tok = AutoTokenizer.from_pretrained(KIMI)
+    assert not has_tool_format(tok)  # the built-in models have no template
+
+    def req(**body):
+        return ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], **body})
+
+    with pytest.raises(RequestError) as info:
+        tool_plan(req(tools=[TOOL]), tok)
+    assert info.value.param == "tools"
+    assert tool_plan(req(tools=[]), tok) is None
+    with pytest.raises(RequestError) as info:
+        tool_plan(req(tool_choice="required"), tok)
+    assert info.value.param == "tool_choice"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>"
+    assert tool_plan(req(tools=[TOOL]), tok).grammar == ""  # auto: parsed, not forced
+    assert not tool_plan(req(tools=[TOOL], tool_choice="none"), tok).parses_calls
+    assert tool_plan(req(tools=[TOOL], tool_choice="required"), tok).grammar
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+def test_the_grammar_forces_well_formed_calls(one_call):
+    tok = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(KIMI), n_vocab=264)
+    grammar = calls_grammar([TOOL], one_call)
+    good = CALL.replace(": ", ":").replace(", ", ",").encode()
+    for text, ok in [(good, True), (good + b"\n" + good, not one_call),
+                     (good.replace(b'"f"', b'"g"'), False), (good[:-1], False)]:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        consumed = m.consume_tokens(list(text))
+        assert (consumed and m.is_accepting() and not m.is_error()) == ok, text
