@@ -60,12 +60,14 @@ class RequestControls:
                  - c.presence_penalty * (self.counts > 0).float())
         if self.bias is not None:
             x.index_add_(0, self.bias_ids, self.bias)
-        if self.banned is not None and self.num_sampled < c.min_tokens:
+        is_banning = self.banned is not None and self.num_sampled < c.min_tokens
+        if is_banning:
             x[self.banned] = float("-inf")
         if self.matcher is not None:
             allowed = self.matcher.allowed(x.device)  # [vocab] bool
             masked = x.masked_fill(~allowed, float("-inf"))
-            if not torch.isfinite(masked).any():  # min_tokens or a bias against the grammar
+            # only the ban makes logits -inf: if it leaves the grammar nothing, the grammar wins
+            if is_banning and not torch.isfinite(masked).any():
                 masked = row.float().masked_fill(~allowed, float("-inf"))
             x = masked
         return x
