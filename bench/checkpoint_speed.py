@@ -30,8 +30,7 @@ from model_runner.compression.horizons import static_horizons
 from model_runner.compression.placement import head_permutation
 from model_runner.compression.plan import ModelIdentity, dasc_plan
 from model_runner.compression.weights import load_decay_params
-from model_runner.config import ModelConfig
-from model_runner.generate import DEFAULT_MODEL
+from model_runner.config import DEFAULT_MODEL, ModelConfig
 from model_runner.parallel import init_tp_group, shutdown_tp_group
 
 FORMATS = (("ragged", "fp32"), ("padded", "fp32"), ("ragged", "int8"))

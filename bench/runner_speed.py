@@ -21,8 +21,8 @@ import time
 import torch
 
 from model_runner.batch import SeqInput
+from model_runner.config import DEFAULT_MODEL
 from model_runner.cpu_features import cpu_has_native_bf16
-from model_runner.generate import DEFAULT_MODEL
 from model_runner.parallel import init_tp_group, shutdown_tp_group
 from model_runner.runner import ModelRunner, RunnerConfig
 

@@ -30,8 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dasc_server.spawn import running_server  # noqa: E402
-
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_runner/assets/kimi-linear-tiny"
+from model_runner.config import DEFAULT_MODEL  # noqa: E402
 
 
 def text_ids(rng: random.Random, n: int) -> list[int]:

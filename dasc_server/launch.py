@@ -27,13 +27,12 @@ import time
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
+from model_runner.config import DEFAULT_MODEL
 from model_runner.rank_args import add_rank_args
 from scheduler import ipc
 from scheduler.__main__ import add_scheduler_args
 from scheduler.messages import ServerInfo, Shutdown
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "model_runner" / "assets" / \
-    "kimi-linear-tiny"
 RANK_FLAGS = ("--dtype", "--device", "--step-target-ms", "--wmax", "--load-policy", "--placement",
               "--mask-seed", "--selection", "--state-budget-bytes", "--checkpoint-slots",
               "--cuda-graph-max-bs", "--cuda-graph-max-context")

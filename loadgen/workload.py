@@ -29,10 +29,6 @@ class Request:
     depends_on: int | None = None  # index (same list) of a request that must finish first
     tags: dict = field(default_factory=dict)  # group / turn / phase ..., copied to the result
 
-    @property
-    def num_prompt_ids(self) -> int | None:
-        return None if isinstance(self.prompt, str) else len(self.prompt)
-
 
 def random_ids(rng: random.Random, n: int, token_range: tuple[int, int]) -> list[int]:
     lo, hi = token_range

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "kimi-linear-tiny"
+
 ARCHITECTURES = {"Qwen3NextForCausalLM": "gdn", "KimiLinearForCausalLM": "kda"}
 
 

@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
+from model_runner.config import DEFAULT_MODEL
 from model_runner.launch import is_first_rank, is_rank_process, relaunch
-
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "kimi-linear-tiny"
 
 
 def build_parser() -> argparse.ArgumentParser:

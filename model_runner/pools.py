@@ -27,10 +27,6 @@ class KVPool:
         self.caches = [torch.zeros(rows, *shape, dtype=dtype, device=device)
                        for shape in entry_shapes]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.caches)
-
 
 @dataclass(slots=True)
 class RequestState:
@@ -76,8 +72,3 @@ class StatePool:
         self._check(dst)
         self.conv[:, dst].copy_(self.conv[:, src])
         self.temporal[:, dst].copy_(self.temporal[:, src])
-
-    @property
-    def nbytes_per_slot(self) -> int:
-        t, c = self.temporal[:, 0], self.conv[:, 0]
-        return t.numel() * t.element_size() + c.numel() * c.element_size()

@@ -1,9 +1,10 @@
 """ModelRunner: one TP rank's model, KV pool and state pool; executes steps it is given.
 
-The runner decides no policy.  A driver (the offline engine, later the scheduler through rank 0)
-hands it ``SeqInput`` lists whose page tables and state slots it has allocated, and reads back
-logits.  All ranks must run the same steps in the same order (SPMD); every rank ends a step with
-the full logits, so sampling with a shared seed gives the same token everywhere.
+The runner decides no policy.  A driver (the offline engine, or ``serve_rank`` on the
+scheduler's plans) hands it ``SeqInput`` lists whose page tables and state slots it has
+allocated, and reads back logits.  All ranks must run the same steps in the same order (SPMD);
+every rank ends a step with the full logits, and the driver samples on one rank (rank 0 when
+serving) or on every rank with a shared seed (the offline engine).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 
 class IndexPool:
-    """Ids in [first, first + size); ``alloc`` takes the lowest ids first (deterministic)."""
+    """Ids in [first, first + size).  ``alloc`` takes the lowest ids of a fresh pool first and
+    then the most recently freed ones (a stack: deterministic, and a freed id is reused while
+    its memory is warm)."""
 
     def __init__(self, size: int, first: int = 0):
         if size < 0:

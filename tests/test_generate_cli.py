@@ -14,7 +14,7 @@ from conftest import ROOT
 from random_checkpoints import make_model
 from safetensors.torch import load_file, save_file
 
-from model_runner.generate import DEFAULT_MODEL
+from model_runner.config import DEFAULT_MODEL
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:

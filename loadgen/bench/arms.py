@@ -16,8 +16,6 @@ from model_runner.compression.plan import ModelIdentity, dasc_plan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "model_runner/assets/kimi-linear-tiny"
-
 
 @dataclass(frozen=True, slots=True)
 class Arm:

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.bench.arms import DEFAULT_MODEL
 from model_runner.compression.placement import PLACEMENTS
+from model_runner.config import DEFAULT_MODEL
 from scheduler.policy import POLICIES
 
 

@@ -37,7 +37,7 @@ from model_runner.launch import is_first_rank, is_rank_process, relaunch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from model_runner.generate import DEFAULT_MODEL
+    from model_runner.config import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(
         prog="dasc-eval", description="Per-subtask accuracy and logit fidelity (mean KL vs "

@@ -75,7 +75,7 @@ def table1b(model_dir: str, count: int, seed: int) -> dict[str, dict[str, float]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from model_runner.generate import DEFAULT_MODEL
+    from model_runner.config import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="python -m loadgen.quality.table1b",
                                 description=__doc__.split("\n\n")[0],

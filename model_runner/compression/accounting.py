@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from model_runner.compression.placement import (
     PLACEMENTS,
-    check_tp,
+    check_bundle_split,
     placement_head_order,
     rank_row_counts,
 )
@@ -39,13 +39,13 @@ def unit_bytes(cfg: ModelConfig, int8: bool = False) -> int:
 
 
 def conv_bytes_per_rank(cfg: ModelConfig, tp_size: int) -> int:
-    check_tp(cfg, tp_size)
+    check_bundle_split(cfg, tp_size)
     channels = cfg.linear_conv_dim // tp_size
     return cfg.num_linear_layers * channels * (cfg.linear_conv_kernel_dim - 1) * CONV_BYTES
 
 
 def dense_rows_per_rank(cfg: ModelConfig, tp_size: int) -> int:
-    check_tp(cfg, tp_size)
+    check_bundle_split(cfg, tp_size)
     heads = cfg.linear_num_value_heads // tp_size
     return cfg.num_linear_layers * heads * cfg.units_per_head
 
@@ -120,7 +120,7 @@ def report_plan(
 ) -> PlanReport:
     """Accounting of `plan` at TP `tp_size`; budget defaults to 128 dense slots per rank."""
     plan.check_config(cfg)
-    check_tp(cfg, tp_size)
+    check_bundle_split(cfg, tp_size)
     dense = dense_slot_bytes(cfg, tp_size)
     budget = dense_budget(cfg, tp_size) if budget_bytes is None else budget_bytes
     conv = conv_bytes_per_rank(cfg, tp_size)

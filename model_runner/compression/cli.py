@@ -16,7 +16,7 @@ from model_runner.compression.accounting import (
     report_plan,
 )
 from model_runner.compression.horizons import DEFAULT_EPS, DEFAULT_GATE_INPUT, static_horizons
-from model_runner.compression.placement import PLACEMENTS, check_tp
+from model_runner.compression.placement import PLACEMENTS, check_bundle_split
 from model_runner.compression.plan import (
     ModelIdentity,
     PlanError,
@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
     path = Path(args.model)
     model_dir = path.parent if path.name == "config.json" else path
     cfg = ModelConfig.from_dir(model_dir)
-    check_tp(cfg, args.tp)
+    check_bundle_split(cfg, args.tp)
     wmaxes = list(DEFAULT_WMAX) if args.wmax is None else list(args.wmax)
     for w in wmaxes:
         check_w_max(w)

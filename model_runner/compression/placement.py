@@ -28,7 +28,7 @@ def units_per_bundle(cfg: ModelConfig) -> int:
     return cfg.gva_ratio * cfg.units_per_head
 
 
-def check_tp(cfg: ModelConfig, tp_size: int) -> None:
+def check_bundle_split(cfg: ModelConfig, tp_size: int) -> None:
     """Raise PlanError unless `tp_size` splits the linear head bundles evenly."""
     nb = num_bundles(cfg)
     if not isinstance(tp_size, int) or tp_size < 1:
@@ -68,7 +68,7 @@ def local_units(
     Local unit index: GDN u = local value head; KDA u = local_head * K + k. The local value heads
     of layer l are [b*g + i for b in owned bundles for i in range(g)] (GDN g = gva_ratio, KDA 1).
     """
-    check_tp(cfg, tp_size)
+    check_bundle_split(cfg, tp_size)
     if not 0 <= tp_rank < tp_size:
         raise PlanError(f"TP rank {tp_rank} is outside [0, {tp_size})")
     order = check_head_order(cfg, head_order)
@@ -97,7 +97,7 @@ def rank_layer_counts(
     plan: SelectionPlan, cfg: ModelConfig, head_order: HeadOrder | None, tp_size: int
 ) -> list[list[int]]:
     """r_{l,r}: retained units of layer l held on rank r, [L][T]."""
-    check_tp(cfg, tp_size)
+    check_bundle_split(cfg, tp_size)
     order = check_head_order(cfg, head_order)
     weights = bundle_weights(plan, cfg).tolist()
     counts = [[0] * tp_size for _ in order]
@@ -138,7 +138,7 @@ def head_permutation(plan: SelectionPlan, cfg: ModelConfig, tp_size: int) -> Hea
     Pairwise in-layer swaps that strictly lower the worst rank follow; they never raise the
     maximum, so the bound holds for the result. Deterministic (ties go to lower ids).
     """
-    check_tp(cfg, tp_size)
+    check_bundle_split(cfg, tp_size)
     weights = bundle_weights(plan, cfg).tolist()  # [L][nb]
     nb, num_layers = num_bundles(cfg), plan.num_layers
     loads = [0] * tp_size
