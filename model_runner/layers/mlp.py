@@ -32,10 +32,10 @@ def _intermediate_index(size: int, tp: TPGroup, field: str) -> torch.Tensor:
 
 # The fixed-shape MoE takes the gathered form (only the routed experts' weights are read) while
 # pairs (tokens * top_k) <= GATHERED_PAIRS_PER_EXPERT * experts, else the all-experts form (each
-# expert read once, but computed for every token).  CPU, measured on 64 experts of
-# [1024 x 512] top-2 (docs/results/runner.md): gathered is faster at every size tried, up to
-# 512 pairs (8 per expert), by 1.9-10x.  CUDA: not measured; the all-experts form reads E experts,
-# the gathered one reads `pairs` of them, so 1 by bytes, halved for embedding_bag's bandwidth.
+# expert read once, but computed for every token).  CPU, measured on 64 experts of [1024 x 512]
+# top-2 (bench/moe_forms.py, docs/results/runner.md): gathered is faster at every size tried,
+# up to 512 pairs (8 per expert), by 2-18x.  CUDA: not measured; the all-experts form reads E
+# experts, the gathered one `pairs` of them, so 1 by bytes, halved for embedding_bag's bandwidth.
 GATHERED_PAIRS_PER_EXPERT = {"cpu": 8.0, "cuda": 0.5}
 
 
