@@ -107,3 +107,47 @@ def test_a_grammar_rank_0_cannot_build_ends_the_request_not_the_rank(tmp_path, c
     tokens, *_ = sample_tokens(logits, specs, table.for_batch(["bad", "ok"], specs, logits))
     assert tokens[0] == EOS_ID and "dasc grammar error" in capfd.readouterr().err
     assert tokens[1] == sample_tokens(logits[1:], specs[1:]).token_ids[0]
+
+
+@pytest.fixture(scope="module")
+def bpe_folder(tmp_path_factory):
+    """A Hugging Face fast tokenizer whose tokens span several bytes (a byte-level BPE
+    trained on JSON-like text), as real models' are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [json.dumps({"color": c, "n": n, "tag": t}) for c in ("red", "green", "blue")
+              for n in range(0, 100, 7) for t in ("ab", "tag", "x y")] * 3
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("bpe")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+    return folder
+
+
+def test_a_multi_byte_tokenizer_gives_valid_json_too(bpe_folder):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(bpe_folder)
+    vocab, eos = 416, hf.eos_token_id  # logits wider than the tokenizer, as models pad them
+    table = LogitControlTable(TokenizerCache(bpe_folder, vocab, eos))
+    c = grammar_controls(json_schema_grammar(SCHEMA))
+    for seed in range(3):
+        out = []
+        for step in range(120):
+            gen = torch.Generator().manual_seed(seed * 1000 + step)
+            logits = torch.randn(1, vocab, generator=gen) * 4
+            spec = [Sample(1.0, 1.0, 0, seed, step, c if step == 0 else None)]
+            token = sample_tokens(logits, spec, table.for_batch([f"r{seed}"], spec,
+                                                                logits)).token_ids[0]
+            out.append(token)
+            if token == eos:
+                break
+        assert out[-1] == eos and all(t < len(hf) for t in out)
+        assert max(len(hf.decode([t])) for t in out[:-1]) > 1  # multi-byte tokens were used
+        got = json.loads(hf.decode(out[:-1]))
+        assert got["color"] in ("red", "green", "blue") and 0 <= got["n"] <= 99
