@@ -183,7 +183,7 @@ def streamed_calls(oai, **kwargs) -> tuple[list[tuple[str, dict]], str | None, s
                                                  "function": {"name": "get_time"}}])
 def test_forced_tool_calls_streamed_and_not(oai, choice):
     kwargs = dict(model=MODEL_NAME, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                  max_tokens=200, temperature=1.0, seed=2)
+                  max_tokens=140, temperature=1.0, seed=2)
     got = oai.chat.completions.create(**kwargs).choices[0]
     # one call (named), or as many as the model writes (required: it may go on to max_tokens,
     # a cut call then stays content)
@@ -204,10 +204,10 @@ def test_forced_tool_calls_streamed_and_not(oai, choice):
 
 
 def test_parallel_tool_calls_false_makes_one_call(oai):
-    for seed in range(3):
+    for seed in range(2):
         got = oai.chat.completions.create(
             model=MODEL_NAME, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-            parallel_tool_calls=False, max_tokens=300, temperature=1.5, seed=seed).choices[0]
+            parallel_tool_calls=False, max_tokens=140, temperature=1.5, seed=seed).choices[0]
         assert got.finish_reason == "tool_calls" and len(got.message.tool_calls) == 1
 
 
