@@ -29,7 +29,7 @@ from scheduler.policy import POLICIES, SchedulePolicy
 from scheduler.scheduler import Scheduler, SchedulerConfig, prefill_budget
 
 IDLE_POLL_S = 0.5
-DEFAULT_POLICY = "fcfs"
+DEFAULT = SchedulePolicy()  # lpm: docs/results/serving.md, "Schedule policies"
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -48,14 +48,14 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "decodes never wait behind a whole long prompt (default: off)")
     g.add_argument("--checkpoint-interval", type=int, default=256,
                    help="store a checkpoint every N prompt tokens (0: at the prompt end only)")
-    g.add_argument("--schedule-policy", choices=POLICIES, default=DEFAULT_POLICY,
+    g.add_argument("--schedule-policy", choices=POLICIES, default=DEFAULT.name,
                    help="which prefill a step takes first: fcfs (arrival order) or lpm (shortest "
                         "remaining prefill after the cached prefix first, so hits do not wait "
                         "behind misses)")
-    g.add_argument("--schedule-max-passes", type=int, default=32,
+    g.add_argument("--schedule-max-passes", type=int, default=DEFAULT.max_passes,
                    help="lpm's fairness bound: a request overtaken by this many later arrivals "
                         "goes first")
-    g.add_argument("--prefill-mix-ratio", type=float, default=8.0,
+    g.add_argument("--prefill-mix-ratio", type=float, default=DEFAULT.mix_ratio,
                    help="lpm: a step holding prefill chunks defers a chunk more than this many "
                         "times longer than its longest one to the next step (0: never defer)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")

@@ -32,7 +32,9 @@ LPM_MAX_RANKED = 128
 
 @dataclass(frozen=True, slots=True)
 class SchedulePolicy:
-    name: str = "fcfs"
+    """The default, lpm, measured best (docs/results/serving.md, "Schedule policies")."""
+
+    name: str = "lpm"
     max_passes: int = 32
     mix_ratio: float = 8.0  # 0: never defer (order only)
 

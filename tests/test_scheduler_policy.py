@@ -551,7 +551,7 @@ def test_consumed_checkpoint_survives_stores_planned_in_the_same_step():
 
 
 def test_abort_waiting_and_running_requests():
-    s = make(max_running_requests=1)
+    s = make(max_running_requests=1, policy=SchedulePolicy("fcfs"))  # "run" first
     loop = Loop(s, random_tokens())
     loop.add("run", prompt_of(30), 5)
     loop.add("wait", prompt_of(12, seed=4), 5)

@@ -226,7 +226,7 @@ def test_policy_order_puts_overdue_first_in_arrival_order():
 
 def test_flags_reach_the_scheduler_process():
     from dasc_server.launch import SCHED_FLAGS, _pass, build_parser
-    from scheduler.__main__ import DEFAULT_POLICY, add_scheduler_args
+    from scheduler.__main__ import add_scheduler_args
 
     args = build_parser().parse_args(["--schedule-policy", "lpm", "--schedule-max-passes", "5",
                                       "--prefill-mix-ratio", "4"])
@@ -236,4 +236,6 @@ def test_flags_reach_the_scheduler_process():
     got, _ = sched.parse_known_args(passed)
     assert (got.schedule_policy, got.schedule_max_passes, got.prefill_mix_ratio) == \
         ("lpm", 5, 4.0)
-    assert build_parser().parse_args([]).schedule_policy == DEFAULT_POLICY
+    defaults = build_parser().parse_args([])
+    assert (defaults.schedule_policy, defaults.schedule_max_passes, defaults.prefill_mix_ratio) \
+        == ("lpm", SchedulePolicy().max_passes, SchedulePolicy().mix_ratio)
