@@ -246,3 +246,13 @@ def test_a_conversation_carries_calls_and_results_back(oai):
 def test_bad_tool_requests_are_400(url, extra, param):
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, **extra}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_books_balance_after_structured_and_tool_requests(url):
+    """Every request above ran to its end or its cut: nothing left running, every KV row and
+    checkpoint slot free or cached, the cache's integrity check passes."""
+    s = httpx.get(f"{url}/v1/stats", timeout=30).json()
+    assert s["integrity"] == "ok" and s["num_running"] == s["num_waiting"] == 0
+    assert s["kv_rows_free"] + s["kv_rows_cached"] == s["kv_rows_total"]
+    assert s["checkpoint_slots_free"] + s["checkpoint_slots_cached"] == \
+        s["checkpoint_slots_total"]
