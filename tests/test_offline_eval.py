@@ -27,7 +27,10 @@ def test_quick_eval_on_shipped_model():
     assert [r["task"] for r in rows] == list(TASKS)
     for r in rows:
         assert r["arm"] == "dense" and r["length"] == 512 and r["n"] == 3
-        assert 0.0 <= r["accuracy"] <= 1.0
+        scores = r["instances"]["score"]
+        assert len(scores) == 3 and abs(r["accuracy"] - sum(scores) / 3) < 1e-9
+    # the shipped model solves single-needle retrieval at 512 (docs/results/table1.md)
+    assert next(r for r in rows if r["task"] == "s1")["accuracy"] >= 2 / 3
 
 
 @pytest.mark.parametrize("model", ["kimi-linear-tiny", "qwen3-next-tiny"])

@@ -18,8 +18,11 @@ def test_observed_measures_track_static_horizons(tmp_path):
     # rank units almost exactly as the weights do -- unless capture is wired to the wrong units.
     assert table["H_e"]["median"] > 0.9
     assert table["H_e"]["pairs"] == 3 * 2
-    for pair in ("state_norm", "readout_norm"):
-        assert -1.0 <= table[pair]["median"] <= 1.0
+    # A long-horizon unit keeps more of what it is fed, so its state norm tracks H_s too, and
+    # the readout q.S, mixed by the query, less (measured: 0.75-0.78 and 0.41-0.43 over seeds);
+    # the paper's order H_e > |S| > |o|.  Captures wired to the wrong units give rho ~ 0.
+    medians = [table[m]["median"] for m in ("H_e", "state_norm", "readout_norm")]
+    assert medians == sorted(medians, reverse=True) and medians[2] > 0.2, medians
 
 
 def test_capture_shapes_gdn(tmp_path):
