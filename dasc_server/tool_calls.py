@@ -25,9 +25,11 @@ from typing import Any
 import llguidance
 
 from dasc_server.protocol import ChatCompletionRequest, RequestError
-from dasc_server.structured import COMPACT, checked
+from dasc_server.structured import checked
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# calls spaced as templates write past ones (jinja's tojson is json.dumps: ", " and ": ")
+CALL_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def has_tool_format(tokenizer: Any | None) -> bool:
@@ -99,7 +101,7 @@ def calls_grammar(tools: list[dict], one_call: bool) -> str:
                                "arguments": t["function"].get("parameters")
                                or {"type": "object"}}} for t in tools]
     schema = {**(options[0] if len(options) == 1 else {"anyOf": options}),
-              "x-guidance": COMPACT}
+              "x-guidance": CALL_STYLE}
     repeat = "" if one_call else ' ("\\n" call)*'
     lark = (f"start: call{repeat}\n"
             f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n')
