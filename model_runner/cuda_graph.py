@@ -7,7 +7,9 @@ sequence, at least ``MIN_CONTEXT``, at most the bucket of ``max_context``).  One
 stalls on a capture or grows the pool late; a step past the largest bucket or batch runs
 eagerly.  Off CUDA (or with graphs off) the very same ``_forward`` runs eagerly, so CPU tests
 exercise exactly what a graph replays.  Attention gathers all C rows of every padded sequence,
-so its cost and memory grow with C: ``max_context`` bounds both.
+so its cost and memory grow with C: ``max_context`` bounds both (MLA reads its latent rows as
+they are, absorbed, never expanded into K and V).  The MoE layers read only the routed experts'
+weights while the batch is small (``model_runner.layers.mlp.uses_gathered_experts``).
 
 Static inputs, allocated once outside the graph pool (a graph reads them by address):
     inputs  [5, max_bs] int64: rows TOKEN, POSITION, SLOT, WRITE_ROW, KV_LEN
