@@ -182,7 +182,7 @@ def test_cpu_paths_equal_kernel_path(name: str, fmt: CheckpointFormat, cpu_path:
             pool.load(*out, torch.tensor([1, 4, 2]), torch.tensor([2, 0, 5]))
             pools.append(pool)
             outs.append(out)
-        flat = pools[0]._flat  # dense: one row per (layer, slot); sparse: the other load
+        flat = pools[0].flat  # dense: one row per (layer, slot); sparse: the other load
         assert (flat.group > 1) == (plan.selector == "dense")
         assert flat.is_sparse == (plan.w_max == sparse)
         for a, b in zip(outs[0], outs[1], strict=True):

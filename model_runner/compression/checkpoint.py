@@ -24,27 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.int8_quant import dequantize_int8, quantize_int8, quantize_int8_inplace
-from kernels.ragged_state import LAYOUTS, build_unit_index, gather_units, scatter_units
-from kernels.ragged_state_cpu import (
-    FlatIndex,
-    Scratch,
-    load_rows,
-    put_rows,
-    put_units,
-    slot_blocks,
-    stage_units,
-    take_rows,
-)
-from kernels.state_copy import (
-    StateRuns,
-    check_slots,
-    conv_runs,
-    copy_runs,
-    dequantize_runs,
-    native_library,
-    quantize_runs,
-)
+from kernels.int8_quant import dequantize_int8, quantize_int8_inplace
+from kernels.ragged_state import LAYOUTS, build_unit_index
+from kernels.ragged_state_cpu import FlatIndex, Scratch, put_rows, take_rows
+from kernels.state_copy import StateRuns, native_library
+from model_runner.compression.checkpoint_paths import FlatPath, KernelPath, NativePath
 from model_runner.compression.placement import (
     PLACEMENTS,
     HeadOrder,
@@ -147,23 +131,25 @@ class CheckpointPool:
         conv_loc = cfg.linear_conv_dim // tp_size
         num_layers = cfg.num_linear_layers
         dtype = torch.int8 if fmt.payload == "int8" else torch.float32
-        self._flat = FlatIndex.of(self.index)
-        group = self._flat.group
+        self.flat = FlatIndex.of(self.index)
+        group = self.flat.group
         all_rows = group + num_slots * num_rows  # rows [0, g) stay zero
-        self._rows = torch.zeros(all_rows, self.unit_dim, dtype=dtype, device=self.device)
-        self.temporal = self._rows[group:].view(num_slots, num_rows, self.unit_dim)  # [N, rows, D]
-        self._scale_rows, self.scale = None, None  # int8: [N, rows, rows_per_unit]
+        self.payload_rows = torch.zeros(all_rows, self.unit_dim, dtype=dtype, device=self.device)
+        self.temporal = self.payload_rows[group:].view(num_slots, num_rows, self.unit_dim)
+        self.scale_rows, self.scale = None, None  # int8: [N, rows, rows_per_unit]
         if fmt.payload == "int8":
-            self._scale_rows = torch.zeros(all_rows, self.rows_per_unit, device=self.device)
-            self.scale = self._scale_rows[group:].view(num_slots, num_rows, self.rows_per_unit)
-        self._conv_slots = torch.zeros(num_slots, num_layers, conv_loc,
-                                       cfg.linear_conv_kernel_dim - 1, dtype=conv_dtype,
-                                       device=self.device)
-        self.conv = self._conv_slots.transpose(0, 1)  # [L, N, conv_dim_loc, k-1]
+            self.scale_rows = torch.zeros(all_rows, self.rows_per_unit, device=self.device)
+            self.scale = self.scale_rows[group:].view(num_slots, num_rows, self.rows_per_unit)
+        self.conv_slots = torch.zeros(num_slots, num_layers, conv_loc,
+                                      cfg.linear_conv_kernel_dim - 1, dtype=conv_dtype,
+                                      device=self.device)
+        self.conv = self.conv_slots.transpose(0, 1)  # [L, N, conv_dim_loc, k-1]
         self.temporal_shape = (num_layers, heads_loc, k, v)
-        self._scratch = Scratch(self.device)  # CPU staging buffers
-        self._runs = StateRuns.of(self.index, self.unit_dim)  # CPU one-pass runs
-        self._slot_bytes = self.temporal.stride(0) * self.temporal.element_size()
+        self.scratch = Scratch(self.device)  # CPU staging buffers
+        self.runs = StateRuns.of(self.index, self.unit_dim)  # CPU one-pass runs
+        self.slot_bytes = self.temporal.stride(0) * self.temporal.element_size()
+        self._kernels, self._native, self._flat_rows = (KernelPath(self), NativePath(self),
+                                                       FlatPath(self))
 
     # ---- sizes ------------------------------------------------------------------------------
     @property
@@ -183,8 +169,7 @@ class CheckpointPool:
         self._check_call(pool, conv, src_slots, dst_slots)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():  # ranks of a balanced pool all skip an empty call together
-            self._cpu_path(pool, conv, self._store_native, self._store_flat,
-                           self._store_kernels)(pool, conv, src, dst)
+            self._path(pool, conv).store(pool, conv, src, dst)
 
     def load(self, temporal: torch.Tensor, conv: torch.Tensor, src_slots: torch.Tensor,
              dst_slots: torch.Tensor) -> None:
@@ -197,173 +182,44 @@ class CheckpointPool:
         self._check_call(pool, conv, src_slots, dst_slots)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():
-            self._cpu_path(pool, conv, self._load_native, self._load_flat,
-                           self._load_kernels)(pool, conv, src, dst)
+            self._path(pool, conv).load(pool, conv, src, dst)
 
-    # ---- CUDA (Triton kernels; also any non-contiguous state) -------------------------------
-    def _store_kernels(self, pool, conv, src, dst) -> None:
-        self.conv[:, dst] = conv[:, src].to(self.conv.dtype)
-        idx = self.index
-        if not self.fmt.is_balanced and self.scale is None:
-            gather_units(pool, src, idx.unit_layer, idx.unit_index, self.temporal, dst)
-            return
-        num_reqs = src.numel()
-        packed = pool.new_empty(num_reqs, idx.num_rows, self.unit_dim)  # [B, R, D] fp32
-        gather_units(pool, src, idx.unit_layer, idx.unit_index, packed,
-                     torch.arange(num_reqs, device=self.device))
-        if self.scale is None:
-            self.temporal[dst] = self._balance_out(packed)
-            return
-        q, s = quantize_int8(packed.view(num_reqs, idx.num_rows, *self.unit_rows))
-        q = q.view(num_reqs, idx.num_rows, self.unit_dim)  # [B, R, D] int8; s [B, R, rpu]
-        if self.balance is not None:  # payload and scales travel together as byte rows
-            q, s = self._balance_int8_out(q, s)
-        self.temporal[dst], self.scale[dst] = q, s
-
-    def _load_kernels(self, pool, conv, src, dst) -> None:
-        conv[:, dst] = self.conv[:, src].to(conv.dtype)
-        idx = self.index
-        if not self.fmt.is_balanced and self.scale is None:
-            scatter_units(self.temporal, src, idx.unit_pos, pool, dst)
-            return
-        num_reqs = src.numel()
-        if self.scale is None:
-            packed = self._balance_in(self.temporal[src])  # [B, R, D]
-        else:
-            q, s = self.temporal[src], self.scale[src]
-            if self.balance is not None:
-                q, s = self._balance_int8_in(q, s)
-            q = q.view(num_reqs, idx.num_rows, *self.unit_rows)  # [B, R, rpu, V]
-            packed = dequantize_int8(q, s).view(num_reqs, idx.num_rows, self.unit_dim)
-        scatter_units(packed, torch.arange(num_reqs, device=self.device), idx.unit_pos, pool, dst)
-
-    def _cpu_path(self, pool, conv, native, flat, kernels):
+    def _path(self, pool: torch.Tensor, conv: torch.Tensor):
         """Contiguous CPU state: the one-pass C runs when the library is built, else torch's
         flat rows; CUDA or strided state: the kernel path."""
         if pool.device.type != "cpu" or not pool.is_contiguous() or not conv.is_contiguous():
-            return kernels
-        return native if native_library() is not None else flat
+            return self._kernels
+        return self._native if native_library() is not None else self._flat_rows
 
-    # ---- CPU: one pass per buffer over precomputed runs (kernels/state_copy.py) -------------
-    def _copy_conv(self, conv, src, dst, store: bool) -> None:
-        ckpt = self._conv_slots  # [N, L, C, k-1]
-        if conv.dtype != ckpt.dtype:  # a conversion, not a copy: torch's
-            if store:
-                self.conv[:, dst] = conv[:, src].to(ckpt.dtype)
-            else:
-                conv[:, dst] = self.conv[:, src].to(conv.dtype)
-            return
-        block = conv.stride(1) * conv.element_size()  # one layer of one slot
-        to_ckpt, to_pool = conv_runs(conv.shape[0], conv.shape[1], block)
-        if store:
-            copy_runs(conv, ckpt, src, dst, block, conv.shape[0] * block, to_ckpt)
-        else:
-            copy_runs(ckpt, conv, src, dst, conv.shape[0] * block, block, to_pool)
-
-    def _store_native(self, pool, conv, src, dst) -> None:
-        num_slots, slot_floats = pool.shape[1], pool.stride(1)
-        src, dst = check_slots(src, num_slots, "active"), check_slots(dst, self.num_slots,
-                                                                      "checkpoint")
-        self._copy_conv(conv, src, dst, store=True)
-        if self.scale is not None and self.balance is None:
-            quantize_runs(pool, self.temporal, self.scale, src, dst, slot_floats,
-                          self._runs.int8(num_slots)[0], *self.unit_rows)
-            return
-        runs = self._runs.fp32(num_slots)[0]
-        if self.balance is None:
-            copy_runs(pool, self.temporal, src, dst, slot_floats * 4, self._slot_bytes, runs)
-            return
-        num_reqs = src.numel()  # pack [B, R, D] fp32, then balance (and quantise)
-        packed = self._scratch.get("units_out", (num_reqs, self.index.num_rows, self.unit_dim),
-                                   torch.float32)
-        copy_runs(pool, packed, src, torch.arange(num_reqs), slot_floats * 4,
-                  packed.stride(0) * 4, runs)
-        self._store_packed(packed, dst)
-
-    def _load_native(self, pool, conv, src, dst) -> None:
-        num_slots, slot_floats = pool.shape[1], pool.stride(1)
-        src, dst = check_slots(src, self.num_slots, "checkpoint"), check_slots(dst, num_slots,
-                                                                               "active")
-        self._copy_conv(conv, src, dst, store=False)
-        if self.scale is not None and self.balance is None:
-            dequantize_runs(self.temporal, self.scale, pool, src, dst, slot_floats,
-                            self._runs.int8(num_slots)[1], *self.unit_rows)
-            return
-        runs = self._runs.fp32(num_slots)[1]
-        if self.balance is None:
-            copy_runs(self.temporal, pool, src, dst, self._slot_bytes, slot_floats * 4, runs)
-            return
-        packed = self._unbalance(src)[self._flat.group:]  # collective; fp32 [B * R, D]
-        copy_runs(packed, pool, torch.arange(src.numel()), dst,
-                  self.index.num_rows * self.unit_dim * 4, slot_floats * 4, runs)
-
-    # ---- CPU without the C library: one flat row gather + one block write per buffer --------
-
-    def _store_flat(self, pool, conv, src, dst) -> None:
-        num_reqs, buffer = src.numel(), self._scratch.get
-        layer_starts = self._flat.active(pool.shape[1])[1]
-        conv_rows = conv.view(-1, conv.shape[2] * conv.shape[3])  # [L * S, conv]
-        staged = take_rows(conv_rows, slot_blocks(src, layer_starts, slot_major=True),
-                           buffer("conv_out", (num_reqs, self._conv_slots[0].numel()),
-                                  conv.dtype))  # [B, L * conv]
-        put_rows(self._conv_slots.flatten(1), dst, staged.to(self.conv.dtype))
-        shape = (num_reqs, self.index.num_rows, self.unit_dim)  # [B, R, D]
-        self._store_packed(stage_units(pool, src, self._flat,
-                                       buffer("units_out", shape, torch.float32)), dst)
-
-    def _store_packed(self, packed, dst) -> None:
+    # ---- what the paths share ---------------------------------------------------------------
+    def store_packed(self, packed, dst) -> None:
         """Packed rows [B, R, D] fp32 (overwritten) -> checkpoint slots dst: balance and
         quantise as the format asks."""
-        shape, buffer = packed.shape, self._scratch.get
+        shape, buffer = packed.shape, self.scratch.get
         if self.scale is None:
-            put_rows(self.temporal.flatten(1), dst, self._balance_out(packed).flatten(1))
+            put_rows(self.temporal.flatten(1), dst, self.balance_out(packed).flatten(1))
             return
         units = packed.view(*shape[:2], *self.unit_rows)  # [B, R, rpu, V]
         q, s = quantize_int8_inplace(units, buffer("q", units.shape, torch.int8),
                                      buffer("abs", units.shape, torch.float32))
-        q = q.view(shape)  # [B, R, D] int8; s [B, R, rpu]
-        if self.balance is not None:
-            q, s = self._balance_int8_out(q, s)
+        q, s = self.balance_int8_out(q.view(shape), s)  # [B, R, D] int8; s [B, R, rpu]
         put_rows(self.temporal.flatten(1), dst, q.flatten(1))
         put_rows(self.scale.flatten(1), dst, s.flatten(1))
 
-    def _load_flat(self, pool, conv, src, dst) -> None:
-        num_reqs, width = src.numel(), self._flat.group * self.unit_dim
-        layer_starts, buffer = self._flat.active(pool.shape[1])[1], self._scratch.get
-        staged = take_rows(self._conv_slots.flatten(1), src,
-                           buffer("conv_in", (num_reqs, self._conv_slots[0].numel()),
-                                  self.conv.dtype))  # [B, L * conv]
-        conv_rows = conv.view(-1, conv.shape[2] * conv.shape[3])  # [L * S, conv]
-        put_rows(conv_rows, slot_blocks(dst, layer_starts, slot_major=True),
-                 staged.to(conv.dtype).view(-1, conv_rows.shape[1]))
-        if self.balance is None:  # gather straight from the checkpoint rows
-            rows = load_rows(self._flat, src)
-            staged = take_rows(self._rows.view(-1, width), rows,
-                               buffer("units_in", (rows.numel(), width), self._rows.dtype))
-            if self.scale is not None:  # [M, g * D] int8 -> fp32
-                scale = take_rows(self._scale_rows.view(-1, width // self.unit_rows[1]), rows)
-                q = staged.view(-1, *self.unit_rows)
-                staged = dequantize_int8(q, scale.view(q.shape[:-1]),
-                                         buffer("fp32", q.shape, torch.float32))
-        else:
-            rows = load_rows(self._flat, torch.arange(num_reqs))
-            staged = take_rows(self._unbalance(src).view(-1, width), rows)
-        put_units(pool, dst, staged.view(-1, width), self._flat)
-
-    def _unbalance(self, src: torch.Tensor) -> torch.Tensor:
+    def unbalance(self, src: torch.Tensor) -> torch.Tensor:
         """Collective: checkpoint slots src [B] -> packed fp32 rows [g + B * R, D], rows [0, g)
         zero."""
-        num_reqs, num_rows, group = src.numel(), self.index.num_rows, self._flat.group
-        packed = self._rows.new_empty(group + num_reqs * num_rows, self.unit_dim,
+        num_reqs, num_rows, group = src.numel(), self.index.num_rows, self.flat.group
+        packed = self.payload_rows.new_empty(group + num_reqs * num_rows, self.unit_dim,
                                       dtype=torch.float32)
         packed[:group] = 0
         out = packed[group:].view(num_reqs, num_rows, self.unit_dim)
         stored = take_rows(self.temporal.flatten(1), src).view(num_reqs, *self.temporal.shape[1:])
         if self.scale is None:
-            self._balance_in(stored, out)
+            self.balance_in(stored, out)
             return packed
         scale = take_rows(self.scale.flatten(1), src).view(num_reqs, *self.scale.shape[1:])
-        q, s = self._balance_int8_in(stored, scale)
+        q, s = self.balance_int8_in(stored, scale)
         dequantize_int8(q.view(num_reqs, num_rows, *self.unit_rows), s,
                         out.view(num_reqs, num_rows, *self.unit_rows))
         return packed
@@ -392,21 +248,26 @@ class CheckpointPool:
             raise ValueError(f"src_slots and dst_slots must both be [B], got {tuple(src.shape)} "
                              f"and {tuple(dst.shape)}")
 
-    def _balance_out(self, packed: torch.Tensor) -> torch.Tensor:
+    def balance_out(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed rows [B, R, D] -> this rank's stored rows (a collective when balanced)."""
         if self.balance is None:
             return packed
         return to_storage(self.balance, self.tp_rank, packed, self.group)
 
-    def _balance_int8_out(self, q: torch.Tensor, s: torch.Tensor):
-        """Payload and scales travel together as byte rows."""
-        stored = self._balance_out(int8_to_bytes(q, s))
-        return int8_from_bytes(stored, self.unit_dim, self.rows_per_unit)
-
-    def _balance_int8_in(self, q: torch.Tensor, s: torch.Tensor):
-        packed = self._balance_in(int8_to_bytes(q, s))
-        return int8_from_bytes(packed, self.unit_dim, self.rows_per_unit)
-
-    def _balance_in(self, stored: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def balance_in(self, stored: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.balance is None:
             return stored
         return from_storage(self.balance, self.tp_rank, stored, self.group, out)
+
+    def balance_int8_out(self, q: torch.Tensor, s: torch.Tensor):
+        """INT8 payload and its scales travel together as byte rows."""
+        if self.balance is None:
+            return q, s
+        stored = self.balance_out(int8_to_bytes(q, s))
+        return int8_from_bytes(stored, self.unit_dim, self.rows_per_unit)
+
+    def balance_int8_in(self, q: torch.Tensor, s: torch.Tensor):
+        if self.balance is None:
+            return q, s
+        packed = self.balance_in(int8_to_bytes(q, s))
+        return int8_from_bytes(packed, self.unit_dim, self.rows_per_unit)
