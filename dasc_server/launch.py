@@ -39,7 +39,8 @@ RANK_FLAGS = ("--dtype", "--device", "--step-target-ms", "--wmax", "--load-polic
 RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
 SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
                "--step-target-ms", "--checkpoint-interval", "--wmax", "--load-policy",
-               "--schedule-policy", "--schedule-max-passes", "--prefill-mix-ratio")
+               "--schedule-policy", "--schedule-max-passes", "--prefill-mix-ratio",
+               "--checkpoint-eviction")
 SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
 
 

@@ -26,6 +26,7 @@ from scheduler.messages import (
     StepResult,
 )
 from scheduler.policy import POLICIES, SchedulePolicy
+from scheduler.radix_cache import CKPT_EVICTIONS
 from scheduler.scheduler import Scheduler, SchedulerConfig, prefill_budget
 
 IDLE_POLL_S = 0.5
@@ -58,6 +59,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-mix-ratio", type=float, default=DEFAULT.mix_ratio,
                    help="lpm: a step holding prefill chunks defers a chunk more than this many "
                         "times longer than its longest one to the next step (0: never defer)")
+    g.add_argument("--checkpoint-eviction", choices=CKPT_EVICTIONS, default="lru",
+                   help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
+                        "(recency plus the prefill a hit there saves over its nearest cached "
+                        "ancestor)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
     g.add_argument("--no-cache-finished", action="store_true",
                    help="do not cache prompt + output when a request finishes")
@@ -172,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         refresh_window=info.refresh_window,
         policy=SchedulePolicy(args.schedule_policy, args.schedule_max_passes,
                               args.prefill_mix_ratio),
+        ckpt_eviction=args.checkpoint_eviction,
     )
     ipc.send(front, ServerInfo(
         args.model, info.model_type, info.tp_size, info.vocab_size, info.eos_token_id,

@@ -15,7 +15,8 @@ the tests):
 Two LRU orders (PR #31643 of SGLang): ``kv_access`` is touched along a matched path and orders
 leaf eviction; ``ckpt_access`` is touched only on the node whose checkpoint a hit consumes and
 orders checkpoint eviction, which may take the checkpoint of any node (the node then stays as
-a KV-only "tombstone" while it has children or locks).
+a KV-only "tombstone" while it has children or locks).  ``ckpt_eviction="reuse"`` orders
+checkpoint eviction by value instead (``_by_value``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import itertools
 from typing import NamedTuple
 
 from scheduler.pools import IndexPool
+
+CKPT_EVICTIONS = ("lru", "reuse")
 
 
 class Node:
@@ -56,8 +59,12 @@ class InsertResult(NamedTuple):
 
 
 class RadixCache:
-    def __init__(self, kv_pool: IndexPool, ckpt_pool: IndexPool):
+    def __init__(self, kv_pool: IndexPool, ckpt_pool: IndexPool, ckpt_eviction: str = "lru"):
+        if ckpt_eviction not in CKPT_EVICTIONS:
+            raise ValueError(f"checkpoint eviction must be one of {', '.join(CKPT_EVICTIONS)}, "
+                             f"got {ckpt_eviction!r}")
         self.kv_pool, self.ckpt_pool = kv_pool, ckpt_pool
+        self.ckpt_eviction = ckpt_eviction
         self.root = Node([], [], None, 0)
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
@@ -205,9 +212,13 @@ class RadixCache:
         return freed
 
     def evict_ckpts(self, num: int) -> int:
-        """Drop ``num`` checkpoints not locked for loading, least recently consumed first."""
-        nodes = sorted((n for n in self._nodes() if n.ckpt is not None and n.ckpt_lock == 0),
-                       key=lambda n: n.ckpt_access)
+        """Drop ``num`` checkpoints not locked for loading, least recently consumed first (lru)
+        or least valuable first (reuse)."""
+        nodes = [n for n in self._nodes() if n.ckpt is not None and n.ckpt_lock == 0]
+        if self.ckpt_eviction == "reuse" and num < len(nodes):
+            nodes = _by_value(nodes)
+        else:
+            nodes.sort(key=lambda n: n.ckpt_access)
         for node in nodes[:num]:
             self.ckpt_pool.free([node.ckpt])
             node.ckpt = None
@@ -286,6 +297,24 @@ class RadixCache:
             assert len(held) == len(set(held)), f"a {name} is held twice"
             assert not set(held) & pool.free_ids(), f"a {name} is both free and held"
             assert len(held) + pool.num_free == pool.size, f"a {name} leaked"
+
+
+def _by_value(nodes: list[Node]) -> list[Node]:
+    """Least valuable first, after Marconi (recency plus compute saved per stored byte):
+    value = recency rank in [0, 1] + saved tokens / the most any candidate saves.  A hit here
+    saves the tokens between the nearest ancestor holding a checkpoint and this node (without
+    it a request falls back to that ancestor); every slot stores the same bytes, so per byte is
+    per slot.  A prompt-end checkpoint just past a shared one saves little and goes first."""
+    saved = {}
+    for n in nodes:
+        up = n.parent
+        while up is not None and up.ckpt is None:
+            up = up.parent
+        saved[id(n)] = n.depth - (up.depth if up is not None else 0)
+    most = max(saved.values())
+    by_age = sorted(nodes, key=lambda n: n.ckpt_access)
+    rank = {id(n): i / max(1, len(nodes) - 1) for i, n in enumerate(by_age)}
+    return sorted(nodes, key=lambda n: (rank[id(n)] + saved[id(n)] / most, n.ckpt_access))
 
 
 def _common_prefix(key: list[int], tokens: list[int], pos: int) -> int:

@@ -66,6 +66,7 @@ class SchedulerConfig:
     load_policy: str = "nr"  # "nr" | "wr"
     refresh_window: int = 0
     policy: SchedulePolicy = SchedulePolicy()  # which prefill a step takes first
+    ckpt_eviction: str = "lru"  # "lru" | "reuse" (RadixCache)
 
     @property
     def scratch_slot_base(self) -> int:
@@ -87,7 +88,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
-                                IndexPool(cfg.num_checkpoint_slots))
+                                IndexPool(cfg.num_checkpoint_slots), cfg.ckpt_eviction)
         self.slots = IndexPool(cfg.max_running_requests, first=1)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

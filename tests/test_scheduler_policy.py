@@ -299,6 +299,9 @@ CONFIGS = [
     dict(max_total_tokens=260, max_running_requests=3, num_checkpoint_slots=6,
          chunked_prefill_size=24, checkpoint_interval=8, load_policy="wr", refresh_window=6,
          policy=SchedulePolicy("lpm", max_passes=1000, mix_ratio=2)),
+    # checkpoint eviction by value (scheduler/radix_cache.py, ckpt_eviction="reuse")
+    dict(max_total_tokens=400, max_running_requests=5, num_checkpoint_slots=3,
+         chunked_prefill_size=64, checkpoint_interval=16, ckpt_eviction="reuse"),
 ]
 
 

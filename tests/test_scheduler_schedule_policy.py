@@ -229,13 +229,15 @@ def test_flags_reach_the_scheduler_process():
     from scheduler.__main__ import add_scheduler_args
 
     args = build_parser().parse_args(["--schedule-policy", "lpm", "--schedule-max-passes", "5",
-                                      "--prefill-mix-ratio", "4"])
+                                      "--prefill-mix-ratio", "4",
+                                      "--checkpoint-eviction", "reuse"])
     passed = _pass(args, SCHED_FLAGS, ())
     sched = argparse.ArgumentParser()
     add_scheduler_args(sched)
     got, _ = sched.parse_known_args(passed)
     assert (got.schedule_policy, got.schedule_max_passes, got.prefill_mix_ratio) == \
         ("lpm", 5, 4.0)
+    assert got.checkpoint_eviction == "reuse"
     defaults = build_parser().parse_args([])
     assert (defaults.schedule_policy, defaults.schedule_max_passes, defaults.prefill_mix_ratio) \
         == ("lpm", SchedulePolicy().max_passes, SchedulePolicy().mix_ratio)

@@ -1,0 +1,97 @@
+"""Checkpoint eviction (``--checkpoint-eviction lru|reuse``) under state-pool pressure, without
+a model: the real scheduler plans every step of a closed loop of C requests and stand-in ranks
+answer with seeded tokens.  The hit rate (cached / prompt tokens) depends only on the order of
+admissions and evictions, never on the model, so this is exactly the number a server reports
+for the same arrival order.
+
+    python -m bench.eviction_sim --slots 8 16 32 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+from client.cli_help import DefaultsHelpFormatter
+from loadgen.bench.report import markdown_table
+from loadgen.workload import Request, multi_turn, shared_prefix
+from scheduler.messages import SamplingParams, StepResult
+from scheduler.radix_cache import CKPT_EVICTIONS
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 256
+
+
+def simulate(requests: list[Request], slots: int, eviction: str, concurrency: int,
+             interval: int, cache_finished: bool, seed: int = 0) -> float:
+    kv_rows = 4 * sum(len(r.prompt) + r.max_tokens for r in requests)
+    s = Scheduler(SchedulerConfig(
+        max_total_tokens=kv_rows, max_running_requests=concurrency, num_checkpoint_slots=slots,
+        max_context_len=1 << 20, vocab_size=VOCAB, chunked_prefill_size=2048,
+        checkpoint_interval=interval, cache_finished=cache_finished, ckpt_eviction=eviction))
+    rng = random.Random(seed)
+    todo, done, in_flight = list(range(len(requests))), set(), set()
+    while todo or in_flight:
+        for i in list(todo):
+            if len(in_flight) >= concurrency:
+                break
+            dep = requests[i].depends_on
+            if dep is None or dep in done:
+                todo.remove(i)
+                in_flight.add(i)
+                r = requests[i]
+                assert s.add(str(i), r.prompt, SamplingParams(max_tokens=r.max_tokens,
+                                                               ignore_eos=True)) is None
+        plan = s.schedule()
+        n = sum(q.sample is not None for q in plan.seqs)
+        tokens = [rng.randrange(VOCAB) for _ in range(n)]
+        for out in s.process_result(StepResult(plan.step_id, tokens, 0.0, [0.0] * n)):
+            if out.finished:
+                in_flight.discard(int(out.rid))
+                done.add(int(out.rid))
+    s.check_integrity()
+    return s.stats["cached_tokens"] / s.stats["prompt_tokens"]
+
+
+def workloads(args: argparse.Namespace) -> dict[str, tuple[list[Request], int, bool]]:
+    """name -> (requests, checkpoint interval, cache finished)."""
+    sp = shared_prefix(args.groups, args.per_group, 512, 32, (0, VOCAB), args.seed,
+                       args.max_tokens)
+    random.Random(args.seed).shuffle(sp)  # groups interleave, cold ones still go first
+    order = {id(r): i for i, r in enumerate(sp)}
+    firsts = {r.tags["group"]: order[id(r)] for r in sp if r.tags["cold"]}
+    for r in sp:
+        r.depends_on = None if r.tags["cold"] else firsts[r.tags["group"]]
+    mt = multi_turn(args.groups, args.per_group, 512, 64, (0, VOCAB), args.seed,
+                    args.max_tokens)
+    return {"shared-prefix (512 + 32, interval 256)": (sp, 256, True),
+            "multi-turn (512 + 64 a turn, interval 256)": (mt, 256, True)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.eviction_sim",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32],
+                   help="checkpoint slots (the state pool)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--groups", type=int, default=16, help="prefix groups / conversations")
+    p.add_argument("--per-group", type=int, default=8, help="prompts / turns of each")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens each request generates")
+    p.add_argument("--seed", type=int, default=0, help="prompts and their order")
+    args = p.parse_args(argv)
+    header = ["workload", "slots", *[f"hit rate {e}" for e in CKPT_EVICTIONS]]
+    rows = []
+    for name, (reqs, interval, finished) in workloads(args).items():
+        for slots in args.slots:
+            rates = [simulate(reqs, slots, e, args.concurrency, interval, finished)
+                     for e in CKPT_EVICTIONS]
+            rows.append([name, str(slots), *[f"{x:.3f}" for x in rates]])
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(markdown_table(header, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
