@@ -10,6 +10,8 @@ Shapes: q, k [N, Hk, K] (L2-normalised, FP32); v [N, Hv, V]; g [N, Hv] (GDN) or 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from model_runner.ops.delta_rule import chunk_delta_rule, decode_step
@@ -38,8 +40,15 @@ def delta_rule_decode(q, k, v, g, beta, states, scale: float
     return decode_step(q, k, v, g, beta, states.to(torch.float32, copy=True), scale)
 
 
+@lru_cache(maxsize=8)
+def _cu_seqlens_tensor(cu_seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # One host-to-device copy per step, not per linear layer: every layer of a step passes the
+    # same offsets, and fla only reads them.
+    return torch.tensor(cu_seqlens, dtype=torch.long, device=device)
+
+
 def _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale):
-    cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
+    cu = _cu_seqlens_tensor(tuple(cu_seqlens), q.device)
     args = dict(scale=scale, initial_state=states.contiguous(), output_final_state=True,
                 cu_seqlens=cu)
     if g.dim() == 3:
