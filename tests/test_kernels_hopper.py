@@ -25,7 +25,7 @@ from kernels.int8_quant import dequantize_int8_triton, quantize_int8_triton
 from kernels.ragged_state import build_unit_index, gather_units_triton, scatter_units_triton
 
 SPILL_LIMIT_BYTES = 0  # the checkpoint kernels are streaming copies: nothing should spill
-NUM_SLOTS, NUM_CKPT_SLOTS, NUM_REQS = 64, 8, 2
+NUM_SLOTS, NUM_CKPT_SLOTS, NUM_REQS = 16, 4, 2  # strides stay i32 and 16-divisible
 # name: (arch, value heads, K, V, linear layers, TP sizes)
 MODELS = {
     "qwen3-next-80b": ("gdn", 32, 128, 128, 36, (1, 8)),
