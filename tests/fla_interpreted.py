@@ -76,14 +76,16 @@ interpreter.FunctionRewriter.ast_transformer = _TensorLoopIndex()
 interpreter.InterpretedFunction.__call__ = _device_call
 
 
-def fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale):
+def fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale, operand_dtype=torch.float32):
     """The CUDA branch of `delta_rule_prefill` (fla's chunk kernels)."""
-    return linear_attention._fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale)
+    q, k, v, beta = linear_attention._operands(operand_dtype, q, k, v, beta)
+    return linear_attention._fla_prefill(q, k, v, beta, g, states, cu_seqlens, scale)
 
 
-def fla_decode(q, k, v, g, beta, states, scale):
+def fla_decode(q, k, v, g, beta, states, scale, operand_dtype=torch.float32):
     """The CUDA branch of `delta_rule_decode` (fla's fused recurrent kernels)."""
-    return linear_attention._fla_decode(q, k, v, g, beta, states, scale)
+    q, k, v, beta = linear_attention._operands(operand_dtype, q, k, v, beta)
+    return linear_attention._fla_decode(q, k, v, beta, g, states, scale)
 
 
 @contextmanager

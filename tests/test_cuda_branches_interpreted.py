@@ -53,6 +53,9 @@ def _prefill_args(per_channel: bool):
 
 CASES = {f"{arch}-{op}": (op, per_channel)
          for arch, per_channel in (("kda", True), ("gdn", False)) for op in ("prefill", "decode")}
+# bf16 models hand fla's decode kernels q, k, v and beta in bf16 (g and the state stay fp32);
+# prefill keeps fp32 operands (model_runner/ops/linear_attention.py says why).
+BF16_CASES = ["kda-decode", "gdn-decode"]
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +64,20 @@ def interpreted(monkeypatch_module) -> dict:
     for op, per_channel in CASES.values():
         args = _prefill_args(per_channel) if op == "prefill" else _decode_args(per_channel)
         calls.append((f"fla_{op}", args))
+    for case in BF16_CASES:
+        op, per_channel = CASES[case]
+        args = _prefill_args(per_channel) if op == "prefill" else _decode_args(per_channel)
+        calls.append((f"fla_{op}", (*args, torch.bfloat16)))
     for model_dir, prompts, steps in DECODES:
         calls += [("greedy_decode", (str(model_dir), prompts, steps, fixed))
                   for fixed in (False, True)]
     out = run_interpreted("fla_interpreted", calls, timeout_s=900)
     results = {"bindings": out[0], **dict(zip(CASES, out[1 : 1 + len(CASES)]))}
+    bf16 = out[1 + len(CASES) : 1 + len(CASES) + len(BF16_CASES)]
+    results.update({f"{case}-bf16": r for case, r in zip(BF16_CASES, bf16)})
+    first = 1 + len(CASES) + len(BF16_CASES)
     for i, (model_dir, _, _) in enumerate(DECODES):
-        results[model_dir.name] = out[1 + len(CASES) + 2 * i : 3 + len(CASES) + 2 * i]
+        results[model_dir.name] = out[first + 2 * i : first + 2 + 2 * i]
     return results
 
 
@@ -93,6 +103,24 @@ def test_fla_wrapper_matches_cpu_path(case, interpreted):
     assert o.shape == o_ref.shape and final.shape == final_ref.shape
     assert o.dtype == final.dtype == torch.float32
     assert _rel_err(o, o_ref) < 2e-6 and _rel_err(final, final_ref) < 2e-6
+
+
+def _bf16_operands(args):
+    """q, k, v and beta rounded to bf16, as fla reads them in a bf16 model."""
+    q, k, v, g, beta, *rest = args
+    return (*(t.bfloat16().float() for t in (q, k, v)), g, beta.bfloat16().float(), *rest)
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_fla_wrapper_takes_bf16_operands(case, interpreted):
+    """The CPU path on the same bf16-rounded operands is the reference, so what remains is
+    fla's own rounding inside its kernels, far below a wrong cast or layout (~1e-1)."""
+    ref = delta_rule_decode(*_bf16_operands(_decode_args(CASES[case][1])))
+    (o, final), (o_ref, final_ref) = interpreted[f"{case}-bf16"], ref
+    assert o.dtype == final.dtype == torch.float32
+    assert _rel_err(o, o_ref) < 1e-2 and _rel_err(final, final_ref) < 1e-2
+    exact = interpreted[case]  # the fp32 run: bf16 operands really reached the kernels
+    assert not torch.equal(o, exact[0])
 
 
 @pytest.mark.parametrize("model", [m.name for m, _, _ in DECODES])

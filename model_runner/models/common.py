@@ -46,14 +46,17 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
     return out
 
 
-def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float) -> torch.Tensor:
-    """Gated delta rule from / into each sequence's temporal state; returns o [N, Hv, V] FP32."""
+def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
+               operand_dtype: torch.dtype) -> torch.Tensor:
+    """Gated delta rule from / into each sequence's temporal state; returns o [N, Hv, V] FP32.
+    ``operand_dtype``: the model's dtype, which fla's kernels read q, k, v and beta in."""
     batch, pool = ctx.batch, ctx.state.temporal[layer]
     slots = batch.state_slots
     if batch.is_decode:
-        o, pool[slots] = delta_rule_decode(q, k, v, g, beta, pool[slots], scale)
+        o, pool[slots] = delta_rule_decode(q, k, v, g, beta, pool[slots], scale, operand_dtype)
     else:
-        o, pool[slots] = delta_rule_prefill(q, k, v, g, beta, pool[slots], batch.cu_seqlens, scale)
+        o, pool[slots] = delta_rule_prefill(q, k, v, g, beta, pool[slots], batch.cu_seqlens, scale,
+                                            operand_dtype)
     if ctx.capture is not None:
         ctx.capture.setdefault("g", {})[layer] = g.detach().clone()
         ctx.capture.setdefault("q", {})[layer] = q.detach().clone()

@@ -79,7 +79,7 @@ class KimiDeltaAttention(nn.Module):
         g = kda_log_decay(self.f_b_proj(self.f_a_proj(x)).view(n, h, d), self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x))
         o = delta_rule(l2norm_div(q.float()), l2norm_div(k.float()), v.float(), g, beta.float(),
-                       ctx, self.linear_index, scale=d**-0.5)
+                       ctx, self.linear_index, scale=d**-0.5, operand_dtype=x.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(n, h, d)
         return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(n, h * d))
 

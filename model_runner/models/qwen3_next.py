@@ -77,7 +77,7 @@ class GatedDeltaNet(nn.Module):
         q = l2norm_rsqrt(q.reshape(n, hk, dk).float())
         k = l2norm_rsqrt(k.reshape(n, hk, dk).float())
         o = delta_rule(q, k, v.reshape(n, hv, dv).float(), g, beta.float(), ctx,
-                       self.linear_index, scale=dk**-0.5)
+                       self.linear_index, scale=dk**-0.5, operand_dtype=x.dtype)
         o = self.norm(o.to(x.dtype).reshape(-1, dv), z.reshape(-1, dv))
         return self.out_proj(o.reshape(n, hv * dv))
 

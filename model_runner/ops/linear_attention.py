@@ -6,6 +6,13 @@ lazily, so this module imports on machines without a GPU driver.
 
 Shapes: q, k [N, Hk, K] (L2-normalised, FP32); v [N, Hv, V]; g [N, Hv] (GDN) or [N, Hv, K]
 (KDA); beta [N, Hv]; states [B, Hv, K, V] FP32, one per sequence.  Hv = ratio * Hk (GVA).
+
+``operand_dtype``: what fla's decode kernels take q, k, v and beta in (the model's dtype: a
+bf16 model runs fla's bf16 fused recurrent kernels, with fp32 accumulation, log-space g and an
+fp32 state; checked under the Triton interpreter).  Prefill keeps fp32 operands for now: fla's
+chunk kernels given bf16 returned values of ~1e9 under the interpreter (tests: the fp32 cases
+pass to 2e-6), which only a GPU can tell apart from an interpreter artifact.  The CPU path
+computes in fp32 whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import torch
 from model_runner.ops.delta_rule import chunk_delta_rule, decode_step
 
 
-def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float
+def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float,
+                       operand_dtype: torch.dtype = torch.float32
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [N, Hv, V] FP32, final states [B, Hv, K, V] FP32)."""
-    if q.is_cuda:
-        return _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale)
+    if q.is_cuda:  # operand_dtype not yet: see the module docstring
+        return _fla_prefill(*_operands(torch.float32, q, k, v, beta), g, states, cu_seqlens,
+                            scale)
     o = v.new_empty(v.shape, dtype=torch.float32)
     finals = torch.empty_like(states, dtype=torch.float32)
     for i in range(len(cu_seqlens) - 1):
@@ -32,12 +41,18 @@ def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: f
     return o, finals
 
 
-def delta_rule_decode(q, k, v, g, beta, states, scale: float
+def delta_rule_decode(q, k, v, g, beta, states, scale: float,
+                      operand_dtype: torch.dtype = torch.float32
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence: q, k [B, Hk, K] ... -> (o [B, Hv, V], new states)."""
     if q.is_cuda:
-        return _fla_decode(q, k, v, g, beta, states, scale)
+        return _fla_decode(*_operands(operand_dtype, q, k, v, beta), g, states, scale)
     return decode_step(q, k, v, g, beta, states.to(torch.float32, copy=True), scale)
+
+
+def _operands(dtype: torch.dtype, q, k, v, beta):
+    """q, k, v, beta as fla should read them; the fla calls below take (q, k, v, beta, g)."""
+    return tuple(t.to(dtype) for t in (q, k, v, beta))
 
 
 @lru_cache(maxsize=8)
@@ -47,7 +62,7 @@ def _cu_seqlens_tensor(cu_seqlens: tuple[int, ...], device: torch.device) -> tor
     return torch.tensor(cu_seqlens, dtype=torch.long, device=device)
 
 
-def _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale):
+def _fla_prefill(q, k, v, beta, g, states, cu_seqlens, scale):
     cu = _cu_seqlens_tensor(tuple(cu_seqlens), q.device)
     args = dict(scale=scale, initial_state=states.contiguous(), output_final_state=True,
                 cu_seqlens=cu)
@@ -63,7 +78,7 @@ def _fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale):
     return o[0].float(), final.float()
 
 
-def _fla_decode(q, k, v, g, beta, states, scale):
+def _fla_decode(q, k, v, beta, g, states, scale):
     args = dict(scale=scale, initial_state=states.contiguous(), output_final_state=True)
     if g.dim() == 3:
         from fla.ops.kda import fused_recurrent_kda
