@@ -26,7 +26,7 @@ from scheduler.messages import (
     StepResult,
 )
 from scheduler.policy import POLICIES, SchedulePolicy
-from scheduler.radix_cache import CKPT_EVICTIONS
+from scheduler.radix_cache import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
 from scheduler.scheduler import Scheduler, SchedulerConfig, prefill_budget
 
 IDLE_POLL_S = 0.5
@@ -59,7 +59,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-mix-ratio", type=float, default=DEFAULT.mix_ratio,
                    help="lpm: a step holding prefill chunks defers a chunk more than this many "
                         "times longer than its longest one to the next step (0: never defer)")
-    g.add_argument("--checkpoint-eviction", choices=CKPT_EVICTIONS, default="lru",
+    g.add_argument("--checkpoint-eviction", choices=CKPT_EVICTIONS,
+                   default=DEFAULT_CKPT_EVICTION,
                    help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
                         "(recency plus the prefill a hit there saves over its nearest cached "
                         "ancestor)")

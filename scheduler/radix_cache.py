@@ -28,6 +28,7 @@ from typing import NamedTuple
 from scheduler.pools import IndexPool
 
 CKPT_EVICTIONS = ("lru", "reuse")
+DEFAULT_CKPT_EVICTION = "reuse"  # the server's: docs/results/serving.md, "Checkpoint eviction"
 
 
 class Node:

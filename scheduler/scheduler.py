@@ -33,7 +33,7 @@ from scheduler.messages import (
 )
 from scheduler.policy import SchedulePolicy, count_passes
 from scheduler.pools import IndexPool
-from scheduler.radix_cache import Node, RadixCache
+from scheduler.radix_cache import DEFAULT_CKPT_EVICTION, Node, RadixCache
 from scheduler.request import Req
 
 
@@ -66,7 +66,7 @@ class SchedulerConfig:
     load_policy: str = "nr"  # "nr" | "wr"
     refresh_window: int = 0
     policy: SchedulePolicy = SchedulePolicy()  # which prefill a step takes first
-    ckpt_eviction: str = "lru"  # "lru" | "reuse" (RadixCache)
+    ckpt_eviction: str = DEFAULT_CKPT_EVICTION  # "reuse" | "lru" (RadixCache)
 
     @property
     def scratch_slot_base(self) -> int:
