@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from model_runner.batch import ForwardBatch
 
@@ -59,11 +60,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
 
 
 def _sdpa_causal(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
+    """Decode (n = 1) sees every key; a fresh prompt is plain causal; after a cached prefix,
+    query i sees keys [0, prefix + i]: causal aligned to the lower right, which torch hands to
+    flash attention on CUDA (GQA included) where a boolean mask would take the math backend,
+    and materialises as that mask elsewhere."""
     n, total = q.shape[0], k.shape[0]
-    mask = None  # decode (n = 1) sees every key; a fresh prompt is plain causal
-    if n > 1 and prefix_len > 0:
-        mask = torch.arange(total, device=q.device)[None] <= (
-            prefix_len + torch.arange(n, device=q.device)[:, None])  # [n, L], True = attend
+    mask = causal_lower_right(n, total) if n > 1 and prefix_len > 0 else None
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=n > 1 and prefix_len == 0, scale=scale,
