@@ -56,3 +56,35 @@ def run_torchrun(nproc: int, script: Path, *args: str, timeout: float = 600.0
 @pytest.fixture(scope="session")
 def torchrun():
     return run_torchrun
+
+
+# ---- markers (pyproject.toml declares them): a fast subset is -m "not serving and not dist and
+# not slow and not gpu".  Read from each module's source so a new test is marked by what it does.
+SLOW_MODULES = {  # minutes of model work each, without a server or torchrun
+    "test_offline_eval", "test_quality", "test_table1b", "test_cuda_branches_interpreted",
+    "test_kernels_hopper", "test_real_shapes",
+}
+_MODULE_MARKS: dict[Path, set[str]] = {}
+
+
+def _module_marks(path: Path) -> set[str]:
+    if path not in _MODULE_MARKS:
+        source = path.read_text()
+        marks = set()
+        if "running_server(" in source or "dasc_server.launch" in source:
+            marks.add("serving")
+        if "run_torchrun(" in source or "torchrun(" in source or "--tp\", \"2\"" in source:
+            marks.add("dist")
+        if path.stem in SLOW_MODULES:
+            marks.add("slow")
+        _MODULE_MARKS[path] = marks
+    return _MODULE_MARKS[path]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marks = set(_module_marks(Path(item.fspath)))
+        if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            marks.add("gpu")
+        for name in sorted(marks):
+            item.add_marker(getattr(pytest.mark, name))

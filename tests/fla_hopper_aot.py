@@ -83,7 +83,8 @@ def server_launches(mode: str):
                     k, v = torch.empty_like(q), torch.empty(n, hv, v_dim, dtype=dtype)
                     g = torch.empty(n, hv, k_dim) if arch == "kda" else torch.empty(n, hv)
                     beta, states = torch.empty(n, hv), torch.empty(n, hv, k_dim, v_dim)
-                    linear_attention._fla_decode(q, k, v, g, beta, states, k_dim**-0.5)
+                    operands = linear_attention._operands(dtype, q, k, v, beta)  # as the runner
+                    linear_attention._fla_decode(*operands, g, states, k_dim**-0.5)
             if mode == "all":
                 hk, hv = key_heads, value_heads
                 cu = [0, 700, 1024]  # two sequences, the first ends inside a chunk
@@ -92,7 +93,7 @@ def server_launches(mode: str):
                 v = torch.empty(n, hv, v_dim)
                 g = torch.empty(n, hv, k_dim) if arch == "kda" else torch.empty(n, hv)
                 beta, states = torch.empty(n, hv), torch.empty(2, hv, k_dim, v_dim)
-                linear_attention._fla_prefill(q, k, v, g, beta, states, cu, k_dim**-0.5)
+                linear_attention._fla_prefill(q, k, v, beta, g, states, cu, k_dim**-0.5)
     return launches
 
 

@@ -10,12 +10,12 @@
 
 Every path takes the same arguments: the active state seen per unit, pool [L, S, U_loc, D]
 fp32, the active conv state [L, S, conv_dim_loc, k-1], and slot ids src [B] -> dst [B]
-(checked by the pool).  With a balancing placement store and load are collectives.
+(checked by the pool).  With a balancing placement store and load are collectives.  Each path
+holds the ``CheckpointPool`` it serves (``ckpt``: its buffers, index, runs and balance helpers;
+not imported here, which would make the two modules import each other).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,12 +37,9 @@ from kernels.state_copy import (
     quantize_runs,
 )
 
-if TYPE_CHECKING:
-    from model_runner.compression.checkpoint import CheckpointPool
-
 
 class KernelPath:
-    def __init__(self, ckpt: CheckpointPool):
+    def __init__(self, ckpt):
         self.ckpt = ckpt
 
     def store(self, pool, conv, src, dst) -> None:
@@ -79,7 +76,7 @@ class KernelPath:
 
 
 class NativePath:
-    def __init__(self, ckpt: CheckpointPool):
+    def __init__(self, ckpt):
         self.ckpt = ckpt
 
     def store(self, pool, conv, src, dst) -> None:
@@ -139,7 +136,7 @@ class NativePath:
 
 
 class FlatPath:
-    def __init__(self, ckpt: CheckpointPool):
+    def __init__(self, ckpt):
         self.ckpt = ckpt
 
     def store(self, pool, conv, src, dst) -> None:
