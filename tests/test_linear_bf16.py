@@ -40,6 +40,12 @@ def test_few_rows_keep_the_bf16_gemm(emulated):
     assert torch.equal(linear_mod.linear(x3, w), F.linear(x3, w))
 
 
+def test_a_transposed_weight_is_upcast_at_any_row_count(emulated):
+    x, w = operands(1)
+    w_t = w.t().contiguous().t()  # the same [out, in] values over [in, out] storage
+    assert torch.equal(linear_mod.linear(x, w_t), F.linear(x.float(), w.float()).bfloat16())
+
+
 def test_native_bf16_cpus_and_fp32_are_untouched(monkeypatch):
     monkeypatch.setattr(linear_mod, "_EMULATED_BF16", False)
     x, w = operands(64)

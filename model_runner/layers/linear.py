@@ -24,8 +24,10 @@ from model_runner.parallel import TPGroup
 Index = torch.Tensor | None  # None: the whole on-disk extent
 
 # A bf16 GEMM with at least this many rows runs in fp32 on a CPU that only emulates bf16.
-# Measured on an AVX2 core (docs/results/runner.md): [M, 1024] x [1024, 4096] emulated bf16
-# costs ~1.1 ms per row; upcasting both operands costs ~5 ms once, so fp32 wins from M ~ 12.
+# Measured on an idle AVX2 core (docs/results/runner.md): [M, 1024] x [1024, 4096] emulated bf16
+# costs ~1.1 ms per row; upcasting both operands ~4 ms once, so fp32 wins from M ~ 12.  A
+# transposed bf16 weight (the routed experts are stored input-major) takes a far slower
+# emulated kernel (32 ms at M = 1), so it is upcast at any M.
 UPCAST_MIN_ROWS = 16
 _EMULATED_BF16 = not cpu_has_native_bf16()
 
@@ -34,10 +36,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x W^T``.  On a CPU without native bf16 a bf16 GEMM of many rows (a prefill chunk) is
     computed in fp32 and rounded once to bf16: the products of bf16 operands are exact in fp32
     and the emulated bf16 GEMM accumulates in fp32 too, so only the summation order differs,
-    at 4-6x the speed.  Small row counts (decode) keep the bf16 GEMM, which reads half the
-    bytes."""
+    at 4-6x the speed.  Small row counts (decode) keep the bf16 GEMM on a contiguous weight,
+    which reads half the bytes."""
     if (_EMULATED_BF16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):
+            and (x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] or not weight.is_contiguous())):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
 
