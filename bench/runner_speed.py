@@ -24,6 +24,7 @@ from model_runner.batch import SeqInput
 from model_runner.config import DEFAULT_MODEL
 from model_runner.cpu_features import cpu_has_native_bf16
 from model_runner.parallel import init_tp_group, shutdown_tp_group
+from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 
 
@@ -36,6 +37,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    p.add_argument("--cpu-fp32-weights", choices=["auto", "on", "off"], default="auto",
+                   help="as dasc-serve's flag: bf16 GEMM weights held in fp32")
+    p.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
+                   help="as dasc-serve's flag: oneDNN-packed fp32 copies of large linear weights")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the top N operators of one prefill (torch profiler)")
     p.add_argument("--cuda-graph", action="store_true",
@@ -52,7 +57,9 @@ def main() -> None:
     per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
                       num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1,
-                      cuda_graph_max_bs=max_batch if args.cuda_graph else 0)
+                      cuda_graph_max_bs=max_batch if args.cuda_graph else 0,
+                      fp32_weights=fp32_weights(args.cpu_fp32_weights),
+                      packed_weights=args.cpu_packed_weights == "on")
     runner = ModelRunner(rc, tp)
     decode_path = "eager"
     if args.cuda_graph:
@@ -64,7 +71,8 @@ def main() -> None:
     report(tp, kind="machine", cpu=torch.cpu.get_capabilities().get("cpu_name"),
            cpu_capability=torch.backends.cpu.get_cpu_capability(),
            native_bf16=cpu_has_native_bf16(), threads=torch.get_num_threads(),
-           model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype)
+           model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype,
+           gemm_weight_bytes=runner.gemm_weight_bytes)
     times = []
     for _ in range(args.repeats):
         tp.barrier()

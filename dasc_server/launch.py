@@ -33,14 +33,15 @@ from scheduler import ipc
 from scheduler.__main__ import add_scheduler_args
 from scheduler.messages import ServerInfo, Shutdown
 
-RANK_FLAGS = ("--dtype", "--device", "--step-target-ms", "--wmax", "--load-policy", "--placement",
+RANK_FLAGS = ("--dtype", "--device", "--cpu-fp32-weights", "--cpu-packed-weights",
+              "--step-target-ms", "--wmax", "--load-policy", "--placement",
               "--mask-seed", "--selection", "--state-budget-bytes", "--checkpoint-slots",
               "--cuda-graph-max-bs", "--cuda-graph-max-context")
 RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
 SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
                "--step-target-ms", "--checkpoint-interval", "--wmax", "--load-policy",
                "--schedule-policy", "--schedule-max-passes", "--prefill-mix-ratio",
-               "--checkpoint-eviction")
+               "--decode-interleave", "--checkpoint-eviction")
 SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
 
 

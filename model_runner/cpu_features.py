@@ -12,9 +12,13 @@ def cpu_has_native_bf16() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def emulated_bf16_note(device: str, dtype: str) -> str | None:
+def emulated_bf16_note(device: str, dtype: str, fp32_weights: str = "auto") -> str | None:
     """A one-line note for a user who asked for bf16 on a CPU that only emulates it."""
     if device != "cpu" or dtype != "bfloat16" or cpu_has_native_bf16():
         return None
+    if fp32_weights != "off":
+        return ("note: bfloat16 is emulated on this CPU (no AVX512-BF16, no AMX): the GEMM "
+                "weights are held in fp32 (twice their bf16 memory; --cpu-fp32-weights off "
+                "keeps bf16 at several times the prefill cost)")
     return ("note: bfloat16 is emulated on this CPU (no AVX512-BF16, no AMX): its GEMMs run "
             "several times slower than float32 here; --dtype float32 is faster on this machine")

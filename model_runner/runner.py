@@ -21,6 +21,7 @@ from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cuda_graph import DecodeGraphs
 from model_runner.host_memory import keep_freed_memory
+from model_runner.layers.linear import hold_fp32, pack_gemms, should_hold_fp32
 from model_runner.loader import build_model, check_tp, load_weights
 from model_runner.models.common import StepContext
 from model_runner.parallel import TPGroup
@@ -41,6 +42,9 @@ class RunnerConfig:
     # ``cuda_graph.DecodeGraphs`` (CUDA graphs on cuda, the same code eagerly elsewhere)
     cuda_graph_max_bs: int = 0
     cuda_graph_max_context: int = 4096  # longer decode contexts run eagerly
+    # bf16 GEMM weights held in fp32 (``linear.hold_fp32``); None: where the CPU emulates bf16
+    fp32_weights: bool | None = None
+    packed_weights: bool = True  # oneDNN-packed fp32 copies of large CPU linear weights
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -62,6 +66,12 @@ class ModelRunner:
         self.model = build_model(cfg, self.tp, dtype, head_order)
         load_weights(self.model, model_dir)
         self.model.to(self.device)
+        # extra weight memory the CPU GEMM forms take (packed copies, bf16 held as fp32)
+        self.gemm_weight_bytes = pack_gemms(self.model) if rc.packed_weights else 0
+        hold = rc.fp32_weights
+        if hold is None:
+            hold = should_hold_fp32(dtype, self.device)
+        self.gemm_weight_bytes += hold_fp32(self.model) if hold else 0
         self.kv = KVPool([type(self.model).kv_entry_shape(cfg, self.tp)] * len(cfg.full_layer_ids),
                          rc.num_pages, rc.page_size, dtype, self.device)
         mixer = self._first_linear_mixer()

@@ -28,7 +28,7 @@ from model_runner.config import ModelConfig
 from model_runner.cpu_features import emulated_bf16_note
 from model_runner.grammar import TokenizerCache
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
-from model_runner.rank_args import add_rank_args
+from model_runner.rank_args import add_rank_args, fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
 from scheduler import ipc
@@ -78,7 +78,9 @@ def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
                       num_pages=args.max_total_tokens, page_size=1,
                       num_state_slots=active_state_slots(args.max_running_requests),
                       cuda_graph_max_bs=graph_max_bs(args, device),
-                      cuda_graph_max_context=args.cuda_graph_max_context)
+                      cuda_graph_max_context=args.cuda_graph_max_context,
+                      fp32_weights=fp32_weights(args.cpu_fp32_weights),
+                      packed_weights=args.cpu_packed_weights == "on")
     plan = build_plan(args, cfg)
     head_order = placement_head_order(plan, cfg, tp.size, args.placement)
     runner = ModelRunner(rc, tp, head_order)
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = p.parse_known_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = os.environ.get("RANK", "0")
-    note = emulated_bf16_note(args.device, args.dtype)
+    note = emulated_bf16_note(args.device, args.dtype, args.cpu_fp32_weights)
     if note and rank == "0":
         print(note, file=sys.stderr, flush=True)
     try:

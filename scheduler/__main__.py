@@ -59,6 +59,11 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-mix-ratio", type=float, default=DEFAULT.mix_ratio,
                    help="lpm: a step holding prefill chunks defers a chunk more than this many "
                         "times longer than its longest one to the next step (0: never defer)")
+    g.add_argument("--decode-interleave", type=int, default=DEFAULT.decode_steps, metavar="N",
+                   help="while requests decode, a step carries prefill only after N "
+                        "decode-only steps, so a decode waits behind one prefill step in N + 1 "
+                        "at most, and a prompt waits N decode steps at most (0: every step may "
+                        "carry prefill)")
     g.add_argument("--checkpoint-eviction", choices=CKPT_EVICTIONS,
                    default=DEFAULT_CKPT_EVICTION,
                    help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         load_policy=args.load_policy,
         refresh_window=info.refresh_window,
         policy=SchedulePolicy(args.schedule_policy, args.schedule_max_passes,
-                              args.prefill_mix_ratio),
+                              args.prefill_mix_ratio, args.decode_interleave),
         ckpt_eviction=args.checkpoint_eviction,
     )
     ipc.send(front, ServerInfo(

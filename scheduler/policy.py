@@ -9,6 +9,12 @@
           than its longest one, so a step of hits (one token each at a prompt-end checkpoint)
           is not stretched by a miss's whole prompt; the miss runs in the next step.
 
+Decode interleave (either policy, ``decode_steps`` N > 0): while requests decode, a step carries
+prefill only after N decode-only steps in a row, so a decode waits behind at most one prefill
+step in N + 1 (TGI's ``max_waiting_tokens``).  Where a step with any prefill chunk costs several
+decode steps (a CPU: small-M GEMMs, the chunked delta rule's fixed cost), this trades a prompt's
+TTFT (at most N decode steps more) for its neighbours' TPOT.
+
 Fairness bound (lpm): a request is *passed* once each time a request that arrived after it gets
 prefill in a step where it gets none.  Once passed ``max_passes`` times it is overdue: overdue
 requests go first, in arrival order, and are never deferred, so no request waits behind more
@@ -37,13 +43,19 @@ class SchedulePolicy:
     name: str = "lpm"
     max_passes: int = 32
     mix_ratio: float = 8.0  # 0: never defer (order only)
+    decode_steps: int = 0  # decode interleave: 0 lets every step carry prefill
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.name!r}")
-        if self.max_passes < 0 or self.mix_ratio < 0:
-            raise ValueError("max_passes and mix_ratio must be >= 0")
+        if self.max_passes < 0 or self.mix_ratio < 0 or self.decode_steps < 0:
+            raise ValueError("max_passes, mix_ratio and decode_steps must be >= 0")
+
+    def takes_prefill(self, decoding: bool, decode_only_run: int) -> bool:
+        """Whether a step may carry prefill, given whether any request decodes and how many
+        decode-only steps ran since the last step that carried prefill."""
+        return not decoding or decode_only_run >= self.decode_steps
 
     def is_overdue(self, r: Req) -> bool:
         return r.num_passed >= self.max_passes

@@ -99,6 +99,7 @@ class Scheduler:
         self._released: list[str] = []  # ended requests whose tables the next plan drops
         self._live: set[str] = set()  # ids of waiting and running requests
         self._step_id = 0
+        self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
         self._num_added = 0
         self._rng = random.Random(0)
         # checkpoints_stored: every checkpoint the tree took, at a prefill boundary or when a
@@ -189,7 +190,11 @@ class Scheduler:
             if not r.is_prefilling:
                 self._add_seq(plan, r, r.computed + 1)
                 budget -= 1
-        ckpt_locked = self._add_prefills(plan, budget)
+        ckpt_locked = []
+        if self.cfg.policy.takes_prefill(bool(plan.seqs), self._decode_only_run):
+            ckpt_locked = self._add_prefills(plan, budget)
+        has_prefill = any(r.is_prefilling for r, _, _, _ in self._inflight)
+        self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
         for r, n, _, _ in self._inflight:  # after every match: stores never feed this step's loads
             if r.is_prefilling:
                 self._plan_store(plan, r, r.computed + n)

@@ -52,3 +52,57 @@ def test_native_bf16_cpus_and_fp32_are_untouched(monkeypatch):
     assert torch.equal(linear_mod.linear(x, w), F.linear(x, w))
     monkeypatch.setattr(linear_mod, "_EMULATED_BF16", True)
     assert torch.equal(linear_mod.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+
+
+needs_onednn = pytest.mark.skipif(not linear_mod._HAS_ONEDNN, reason="torch built without oneDNN")
+
+
+def big_weight(dtype=torch.float32):
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(1024, linear_mod.PACK_MIN_ELEMENTS // 1024, generator=g) * 0.03).to(dtype)
+
+
+@needs_onednn
+def test_packed_gemm_matches_torch_and_one_row_keeps_torch():
+    w = big_weight()
+    packed = linear_mod.pack_weight(w)
+    assert packed is not None
+    x = torch.randn(17, w.shape[1], generator=torch.Generator().manual_seed(1))
+    out = linear_mod.linear(x, w, packed)
+    # fp32, K = 512 terms of |x w| ~ 0.03: only the summation order differs from torch's GEMM
+    ref = F.linear(x.double(), w.double())
+    assert (out.double() - ref).abs().max() <= 1e-5 * (x.abs() @ w.abs().T).max()
+    one = x[:1]
+    assert torch.equal(linear_mod.linear(one, w, packed), F.linear(one, w))
+    x3 = x.view(1, 17, -1)  # leading dims are flattened and restored
+    assert torch.equal(linear_mod.linear(x3, w, packed), out.view(1, 17, -1))
+
+
+@needs_onednn
+def test_packed_gemm_rounds_bf16_once():
+    w = big_weight(torch.bfloat16)
+    packed = linear_mod.pack_weight(w)
+    x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = linear_mod.linear(x, w, packed)
+    assert out.dtype == torch.bfloat16
+    exact = F.linear(x.double(), w.double())
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-5).all()
+
+
+def test_small_and_non_cpu_weights_are_not_packed():
+    assert linear_mod.pack_weight(torch.zeros(64, 64)) is None
+    assert linear_mod.pack_weight(torch.zeros(3, 4, 5)) is None
+
+
+def test_emulated_bf16_decode_attention_rounds_like_bf16(emulated, monkeypatch):
+    from model_runner.layers.attention import causal_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 64, generator=g).bfloat16()
+    k, v = (torch.randn(300, 2, 64, generator=g).bfloat16() for _ in range(2))
+    fast = causal_attention(q, k, v, 299, 0.125)
+    monkeypatch.setattr(linear_mod, "_EMULATED_BF16", False)
+    native = causal_attention(q, k, v, 299, 0.125)
+    assert fast.dtype == torch.bfloat16
+    # the same roundings, fp32 products in another summation order: a bf16 step apart at most
+    assert ((fast.float() - native.float()).abs() <= native.float().abs() * 2.0**-7 + 1e-3).all()

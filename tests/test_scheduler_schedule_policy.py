@@ -229,7 +229,7 @@ def test_flags_reach_the_scheduler_process():
     from scheduler.__main__ import add_scheduler_args
 
     args = build_parser().parse_args(["--schedule-policy", "lpm", "--schedule-max-passes", "5",
-                                      "--prefill-mix-ratio", "4",
+                                      "--prefill-mix-ratio", "4", "--decode-interleave", "6",
                                       "--checkpoint-eviction", "reuse"])
     passed = _pass(args, SCHED_FLAGS, ())
     sched = argparse.ArgumentParser()
@@ -237,7 +237,48 @@ def test_flags_reach_the_scheduler_process():
     got, _ = sched.parse_known_args(passed)
     assert (got.schedule_policy, got.schedule_max_passes, got.prefill_mix_ratio) == \
         ("lpm", 5, 4.0)
-    assert got.checkpoint_eviction == "reuse"
+    assert got.checkpoint_eviction == "reuse" and got.decode_interleave == 6
     defaults = build_parser().parse_args([])
     assert (defaults.schedule_policy, defaults.schedule_max_passes, defaults.prefill_mix_ratio) \
         == ("lpm", SchedulePolicy().max_passes, SchedulePolicy().mix_ratio)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("interleave", [0, 1, 4])
+def test_decode_interleave_bounds_prefill_steps_among_decodes(policy, interleave):
+    """While a request decodes, a step carries prefill only after ``interleave`` decode-only
+    steps: a new prompt waits exactly that many steps (none once enough decode-only steps have
+    run), its chunks come one step in interleave + 1, and both requests finish intact."""
+    s = policy_scheduler(SchedulePolicy(policy, decode_steps=interleave),
+                         chunked_prefill_size=8)
+    loop = Loop(s, random_tokens())
+    assert loop.add("long", prompt_of(8, seed=6), 40) is None
+    loop.step()
+    while s.running[0].is_prefilling:
+        loop.step()
+    for _ in range(2):  # two decode-only steps
+        loop.step()
+    assert loop.add("new", prompt_of(24, seed=7), 2) is None  # three chunks of 8
+    since = len(loop.plans)
+    loop.run()
+    steps = [i for i, plan in enumerate(loop.plans[since:])
+             if any(q.rid == "new" for q in plan.seqs)]
+    chunks = steps[:3]  # new's prefill chunks; "long" decodes through all of them
+    wait = max(0, interleave - 2)  # two decode-only steps already ran before "new" arrived
+    assert chunks[0] == wait
+    assert all(b - a == interleave + 1 for a, b in zip(chunks, chunks[1:]))
+    for plan in loop.plans[since:]:
+        assert any(q.rid == "long" for q in plan.seqs) or not s.running
+    assert len(loop.output("long")) == 40 and len(loop.output("new")) == 2
+    assert_drained(s)
+
+
+def test_decode_interleave_never_delays_prefill_without_decodes():
+    s = policy_scheduler(SchedulePolicy("fcfs", decode_steps=5), chunked_prefill_size=8)
+    loop = Loop(s, random_tokens())
+    assert loop.add("a", prompt_of(24, seed=8), 1) is None
+    loop.run()
+    # chunks 8, 8, 7 and the last token (prompt-end checkpoint at 23), back to back
+    assert [[q.rid for q in p.seqs] for p in loop.plans if p.seqs] == [["a"]] * 4
+    with pytest.raises(ValueError, match="decode_steps"):
+        SchedulePolicy("lpm", decode_steps=-1)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from model_runner.batch import ForwardBatch
+from model_runner.layers.linear import emulates_bf16
 
 
 class PartialRotary:
@@ -49,14 +50,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     if num_kv != num_heads:
         k = k.repeat_interleave(num_heads // num_kv, dim=1)
         v = v.repeat_interleave(num_heads // num_kv, dim=1)
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, n, L]
+    dtype, work = q.dtype, _work_dtype(q)  # rounded to dtype where a dtype product rounds
+    q, k, v = (t.transpose(0, 1).to(work) for t in (q, k, v))  # heads first
+    scores = torch.matmul(q, k.transpose(1, 2)).to(dtype) * scale  # [H, n, L]
     n, total = q.shape[1], k.shape[1]
     future = torch.arange(total, device=q.device)[None] > (
         prefix_len + torch.arange(n, device=q.device)[:, None])
     scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).transpose(0, 1)  # [n, H, Dv]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return torch.matmul(probs.to(work), v).to(dtype).transpose(0, 1)  # [n, H, Dv]
+
+
+def _work_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16 on a CPU that emulates bf16 (``emulates_bf16``), else q's dtype."""
+    return torch.float32 if emulates_bf16(q) else q.dtype
 
 
 def _sdpa_causal(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
@@ -102,11 +109,12 @@ def table_decode_attention(table: torch.Tensor, lens: torch.Tensor, q: torch.Ten
     if num_kv != num_heads:
         k = k.repeat_interleave(num_heads // num_kv, dim=2)
         v = v.repeat_interleave(num_heads // num_kv, dim=2)
-    scores = torch.einsum("bhd,bchd->bhc", q, k) * scale  # [B, H, C]
+    dtype, work = q.dtype, _work_dtype(q)
+    scores = torch.einsum("bhd,bchd->bhc", q.to(work), k.to(work)).to(dtype) * scale  # [B,H,C]
     padding = torch.arange(width, device=q.device)[None] >= lens[:, None]  # [B, C]
     scores = scores.masked_fill(padding[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.einsum("bhc,bchd->bhd", probs, v)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return torch.einsum("bhc,bchd->bhd", probs.to(work), v.to(work)).to(dtype)
 
 
 def _sdpa_table(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:

@@ -31,17 +31,98 @@ Index = torch.Tensor | None  # None: the whole on-disk extent
 UPCAST_MIN_ROWS = 16
 _EMULATED_BF16 = not cpu_has_native_bf16()
 
+# oneDNN's prepacked fp32 GEMM, the op inductor emits for a frozen CPU linear.  MKL's sgemm is
+# slow at few rows on this class of CPU (AVX2, one thread): a [12288, 1024] weight costs 5 ms
+# at M = 1, 11-13 ms at M = 2 and 35 ms at M = 17; the packed weight 8 / 16 ms at M = 2 / 17
+# and 1.2-1.35x less at M = 256-1024 (bench/gemm_forms.py).  M = 1 keeps torch's GEMV, which
+# packing does not beat.  Only weights of at least PACK_MIN_ELEMENTS are packed: on small ones
+# the call overhead wins.  The packed copy is extra memory (the weight's size in fp32).
+PACK_MIN_ELEMENTS = 1 << 19
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                                 "_linear_pointwise")
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x W^T``.  On a CPU without native bf16 a bf16 GEMM of many rows (a prefill chunk) is
-    computed in fp32 and rounded once to bf16: the products of bf16 operands are exact in fp32
-    and the emulated bf16 GEMM accumulates in fp32 too, so only the summation order differs,
-    at 4-6x the speed.  Small row counts (decode) keep the bf16 GEMM on a contiguous weight,
-    which reads half the bytes."""
+
+def emulates_bf16(x: torch.Tensor) -> bool:
+    """A bf16 CPU tensor on a CPU that only emulates bf16: its products are better computed in
+    fp32 and rounded where the bf16 product would round (emulated bf16 matmuls accumulate in
+    fp32 too, so only the summation order changes, and a strided emulated bmm is ~25x slower:
+    26 ms for one decode query over 1,025 cached keys of 16 heads of 256)."""
+    return _EMULATED_BF16 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 oneDNN-packed copy of an [out, in] CPU weight, or None where packing does not
+    pay (small weights, non-CPU tensors, a torch without oneDNN)."""
+    if (not _HAS_ONEDNN or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.numel() < PACK_MIN_ELEMENTS):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` through the packed fp32 weight, in ``x``'s dtype (rounded once for bf16)."""
+    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T`` in ``x``'s dtype.  With ``packed`` (``pack_weight(weight)``), two or more rows
+    take the packed fp32 GEMM.  A weight held in fp32 for a bf16 model (``hold_fp32``)
+    takes an fp32 GEMM rounded once to bf16.  Otherwise, on a CPU without native bf16, a bf16
+    GEMM of many rows (a prefill chunk) is computed the same way after upcasting the weight:
+    the products of bf16 operands are exact in fp32 and the emulated bf16 GEMM accumulates in
+    fp32 too, so only the summation order differs, at 4-6x the speed.  Small row counts
+    (decode) keep the bf16 GEMM on a contiguous weight, which reads half the bytes."""
+    if packed is not None and x.numel() >= 2 * x.shape[-1]:
+        return packed_linear(x, packed)
+    if weight.dtype != x.dtype:
+        return F.linear(x.to(weight.dtype), weight).to(x.dtype)
     if (_EMULATED_BF16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
             and (x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] or not weight.is_contiguous())):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
+
+
+def should_hold_fp32(dtype: torch.dtype, device: torch.device) -> bool:
+    """``--cpu-fp32-weights auto``: a bf16 model on a CPU that only emulates bf16."""
+    return _EMULATED_BF16 and dtype == torch.bfloat16 and device.type == "cpu"
+
+
+def hold_fp32(model: nn.Module) -> int:
+    """Convert the bf16 GEMM weights (the parameters each module lists in ``GEMM_WEIGHTS``)
+    to fp32 in place, exactly (every bf16 value is an fp32 value); returns the bytes added.
+    Activations, KV and states stay bf16, and every GEMM is then one fp32 GEMM rounded once,
+    the numerics ``linear`` already gives prefill chunks, without upcasting the weights on
+    every step that holds one: a decode sharing a step with a 16-token chunk otherwise pays
+    the upcast of every weight it reads.  Costs 2x the weight memory."""
+    added = 0
+    for module in model.modules():
+        if getattr(module, "packed", None) is not None:
+            continue  # pack_gemms gave it an fp32 copy for 2+ rows; one row keeps the bf16 GEMV
+        for name in getattr(module, "GEMM_WEIGHTS", ()):
+            param = getattr(module, name)
+            if param.dtype == torch.bfloat16:
+                param.data = param.data.float()
+                added += param.numel() * 2
+    return added
+
+
+def pack_gemms(model: nn.Module) -> int:
+    """Let every module with ``pack_weights`` (the linears, the routed experts) take the
+    oneDNN-packed copies of its weights where that pays; returns the bytes they take."""
+    return sum(m.pack_weights() for m in model.modules() if hasattr(m, "pack_weights"))
+
+
+class PackedGemm:
+    """A linear module whose ``packed`` is ``weight``'s packed copy once ``pack_gemms`` ran."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> int:
+        self.packed = pack_weight(self.weight)
+        return 0 if self.packed is None else self.weight.numel() * 4
 
 
 def group_rows(groups: Sequence[int], group_size: int, start: int = 0,
@@ -96,8 +177,10 @@ def new_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackedGemm, nn.Module):
     """y = x W^T keeping the output rows listed in ``parts`` (merged when several)."""
+
+    GEMM_WEIGHTS = ("weight",)
 
     def __init__(self, in_features: int, parts: dict[object, torch.Tensor], dtype: torch.dtype):
         super().__init__()
@@ -105,7 +188,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = attach_loader(new_param(out_features, in_features, dtype=dtype), parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.packed)
 
 
 class ReplicatedLinear(ColumnParallelLinear):
@@ -113,8 +196,10 @@ class ReplicatedLinear(ColumnParallelLinear):
         super().__init__(in_features, {None: torch.arange(out_features)}, dtype)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackedGemm, nn.Module):
     """y = all_reduce(x_local W_local^T) keeping the input columns listed in ``index``."""
+
+    GEMM_WEIGHTS = ("weight",)
 
     def __init__(self, index: torch.Tensor, out_features: int, tp: TPGroup, dtype: torch.dtype,
                  reduce: bool = True):
@@ -124,7 +209,7 @@ class RowParallelLinear(nn.Module):
                                     {None: index}, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, self.packed)
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -158,9 +243,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackedGemm, VocabParallelEmbedding):
     """Vocab-sharded output projection; every rank gets the full [N, vocab] logits."""
 
+    GEMM_WEIGHTS = ("weight",)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, self.packed)
         return self.tp.all_gather_last(logits)[:, : self.vocab_size]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from model_runner.layers.linear import emulates_bf16
+
 
 def split_kv_b(weight: torch.Tensor, num_heads: int, nope_dim: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +33,8 @@ def absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q [N, H, nope + rope] -> q_abs [N, H, kv_lora + rope]."""
     nope = w_uk.shape[1]
     q_nope, q_rot = q[..., :nope], q[..., nope:]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora]
+    q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk)  # [H, N, kv_lora]
+    q_lat = q_lat.transpose(0, 1).to(q.dtype)
     return torch.cat([q_lat, q_rot], dim=-1)
 
 
@@ -39,14 +42,18 @@ def latent_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora: int, scal
                      lens: torch.Tensor | None = None) -> torch.Tensor:
     """q_abs [B, H, D] over cache rows [B, C, D] (D = kv_lora + rope) -> [B, H, kv_lora];
     with ``lens`` [B], columns [lens, C) are padding and masked."""
-    scores = torch.bmm(q_abs, rows.transpose(1, 2)) * scale  # [B, H, C]
+    dtype = q_abs.dtype  # products in fp32 where the CPU emulates bf16, rounded as bf16 rounds
+    work = torch.float32 if emulates_bf16(q_abs) else dtype
+    rows = rows.to(work)
+    scores = torch.bmm(q_abs.to(work), rows.transpose(1, 2)).to(dtype) * scale  # [B, H, C]
     if lens is not None:
         padding = torch.arange(rows.shape[1], device=rows.device)[None] >= lens[:, None]
         scores = scores.masked_fill(padding[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_abs.dtype)
-    return torch.bmm(probs, rows[..., :kv_lora])
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return torch.bmm(probs.to(work), rows[..., :kv_lora]).to(dtype)
 
 
 def up_project_values(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o_lat [N, H, kv_lora] -> per-head outputs [N, H, Dv]."""
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    o = torch.bmm(o_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2))
+    return o.transpose(0, 1).to(o_lat.dtype)

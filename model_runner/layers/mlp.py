@@ -19,6 +19,7 @@ from model_runner.layers.linear import (
     attach_loader,
     linear,
     new_param,
+    pack_weight,
     rank_slice,
 )
 from model_runner.parallel import TPGroup
@@ -68,6 +69,9 @@ class SparseMoE(nn.Module):
     Qwen3-Next: softmax router, optional renormalisation, sigmoid-gated shared expert.
     Kimi-Linear: sigmoid router with score-correction bias, grouped top-k, routed scaling.
     """
+
+    GEMM_WEIGHTS = ("w13", "w2")
+    packed_experts: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # pack_weights
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
@@ -154,6 +158,15 @@ class SparseMoE(nn.Module):
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return self.tp.all_reduce(out + shared)
 
+    def pack_weights(self) -> int:
+        """``pack_gemms``: packed copies of each expert's [out, in] views, for its GEMMs of two
+        or more rows in the routed form (the graph-safe forms read ``w13``/``w2`` directly)."""
+        self.packed_experts = [(pack_weight(self.gate_up(e)), pack_weight(self.down(e)))
+                               for e in range(self.cfg.num_experts)]
+        sizes = (self.w13[0].numel() * 4, self.w2[0].numel() * 4)
+        return sum(size for pair in self.packed_experts
+                   for size, p in zip(sizes, pair) if p is not None)
+
     def gate_up(self, expert: int) -> torch.Tensor:
         return self.w13[expert].t()  # [2I, hidden]
 
@@ -172,8 +185,11 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):  # host sync: the per-expert counts
             if count:
                 rows = slice(start, start + count)
-                gate, up = linear(gathered[rows], self.gate_up(expert)).chunk(2, dim=-1)
-                h[rows] = linear(F.silu(gate) * up, self.down(expert))
+                packed_gate_up, packed_down = (self.packed_experts[expert]
+                                               if self.packed_experts else (None, None))
+                gate, up = linear(gathered[rows], self.gate_up(expert),
+                                  packed_gate_up).chunk(2, dim=-1)
+                h[rows] = linear(F.silu(gate) * up, self.down(expert), packed_down)
                 start += count
         out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
 
@@ -184,13 +200,15 @@ class SparseMoE(nn.Module):
         num_tokens, top_k = ids.shape
         hidden, inter = x.shape[1], self.w2.shape[1]
         pairs = ids.reshape(-1, 1)  # [N * k, 1], token-major
-        xs = x.repeat_interleave(top_k, dim=0)  # [N * k, hidden]
+        xs = x.repeat_interleave(top_k, dim=0).to(self.w13.dtype)  # [N * k, hidden]
         rows = pairs * hidden + torch.arange(hidden, device=x.device)  # [N * k, hidden]
+        # rounded to x's dtype where ``linear`` rounds: the weights may be held in fp32
         gate, up = F.embedding_bag(rows, self.w13.view(-1, 2 * inter), per_sample_weights=xs,
-                                   mode="sum").chunk(2, dim=-1)  # [N * k, I] each
+                                   mode="sum").to(x.dtype).chunk(2, dim=-1)  # [N * k, I] each
         rows = pairs * inter + torch.arange(inter, device=x.device)  # [N * k, I]
-        h = F.embedding_bag(rows, self.w2.view(-1, hidden), per_sample_weights=F.silu(gate) * up,
-                            mode="sum")  # [N * k, hidden]
+        h = F.embedding_bag(rows, self.w2.view(-1, hidden),
+                            per_sample_weights=(F.silu(gate) * up).to(self.w2.dtype),
+                            mode="sum").to(x.dtype)  # [N * k, hidden]
         routed = h.view(num_tokens, top_k, -1) * weights[:, :, None]
         out.add_(routed.sum(dim=1).to(out.dtype))
 
@@ -201,6 +219,6 @@ class SparseMoE(nn.Module):
         dense = torch.zeros(x.shape[0], self.cfg.num_experts, dtype=weights.dtype,
                             device=x.device).scatter_(1, ids, weights)  # [N, E]
         for expert in range(self.cfg.num_experts):
-            gate, up = F.linear(x, self.gate_up(expert)).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.down(expert))
+            gate, up = linear(x, self.gate_up(expert)).chunk(2, dim=-1)
+            h = linear(F.silu(gate) * up, self.down(expert))
             out.add_((h * dense[:, expert, None]).to(out.dtype))
