@@ -41,6 +41,9 @@ def main() -> None:
                    help="as dasc-serve's flag: bf16 GEMM weights held in fp32")
     p.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
                    help="as dasc-serve's flag: oneDNN-packed fp32 copies of large linear weights")
+    p.add_argument("--mixed-chunks", type=int, nargs="*", default=[], metavar="C",
+                   help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
+                        "of another sequence, as a serving step that mixes them")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the top N operators of one prefill (torch profiler)")
     p.add_argument("--cuda-graph", action="store_true",
@@ -53,7 +56,9 @@ def main() -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     tp = init_tp_group(device)
     page = 16
-    max_batch = max(args.decode_batch)
+    if any(not 0 < c <= args.prompt_len for c in args.mixed_chunks):
+        p.error("--mixed-chunks must be in [1, --prompt-len]")
+    max_batch = max(*args.decode_batch, 2 if args.mixed_chunks else 1)
     per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
                       num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1,
@@ -108,6 +113,18 @@ def main() -> None:
             steps.append(time.perf_counter() - start)
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
                decode_path=decode_path, step_ms=1000 * statistics.median(steps))
+    for chunk in args.mixed_chunks:
+        # sequence 1 decodes at its context; sequence 2 (its own slot) prefills `chunk` tokens
+        decode = SeqInput([7], len(short) + args.decode_steps, tables[0], 1)
+        steps = []
+        for _ in range(args.repeats):
+            tp.barrier()
+            start = time.perf_counter()
+            runner.forward([decode, SeqInput(prompt[:chunk], 0, tables[1], 2)])
+            sync(device)
+            steps.append(time.perf_counter() - start)
+        report(tp, kind="mixed", tp_size=tp.size, device=str(device), chunk=chunk,
+               step_ms=1000 * statistics.median(steps))
     shutdown_tp_group(tp)
 
 

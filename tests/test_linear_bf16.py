@@ -74,6 +74,8 @@ def test_packed_gemm_matches_torch_and_one_row_keeps_torch():
     assert (out.double() - ref).abs().max() <= 1e-5 * (x.abs() @ w.abs().T).max()
     one = x[:1]
     assert torch.equal(linear_mod.linear(one, w, packed), F.linear(one, w))
+    many = torch.randn(linear_mod.PACK_MAX_ROWS + 1, w.shape[1])  # a large chunk: torch's GEMM
+    assert torch.equal(linear_mod.linear(many, w, packed), F.linear(many, w))
     x3 = x.view(1, 17, -1)  # leading dims are flattened and restored
     assert torch.equal(linear_mod.linear(x3, w, packed), out.view(1, 17, -1))
 
@@ -106,3 +108,14 @@ def test_emulated_bf16_decode_attention_rounds_like_bf16(emulated, monkeypatch):
     assert fast.dtype == torch.bfloat16
     # the same roundings, fp32 products in another summation order: a bf16 step apart at most
     assert ((fast.float() - native.float()).abs() <= native.float().abs() * 2.0**-7 + 1e-3).all()
+
+
+@needs_onednn
+def test_one_row_of_a_transposed_bf16_weight_takes_the_packed_gemm(emulated):
+    w_t = big_weight(torch.bfloat16).t().contiguous().t()  # an expert's [out, in] view
+    packed = linear_mod.pack_weight(w_t)
+    x = torch.randn(1, w_t.shape[1], generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = linear_mod.linear(x, w_t, packed)
+    assert torch.equal(out, linear_mod.packed_linear(x, packed))
+    w = w_t.contiguous()  # a contiguous bf16 weight keeps the bf16 GEMV at one row
+    assert torch.equal(linear_mod.linear(x, w, linear_mod.pack_weight(w)), F.linear(x, w))

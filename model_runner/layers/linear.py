@@ -33,10 +33,13 @@ _EMULATED_BF16 = not cpu_has_native_bf16()
 
 # oneDNN's prepacked fp32 GEMM, the op inductor emits for a frozen CPU linear.  MKL's sgemm is
 # slow at few rows on this class of CPU (AVX2, one thread): a [12288, 1024] weight costs 5 ms
-# at M = 1, 11-13 ms at M = 2 and 35 ms at M = 17; the packed weight 8 / 16 ms at M = 2 / 17
-# and 1.2-1.35x less at M = 256-1024 (bench/gemm_forms.py).  M = 1 keeps torch's GEMV, which
-# packing does not beat.  Only weights of at least PACK_MIN_ELEMENTS are packed: on small ones
-# the call overhead wins.  The packed copy is extra memory (the weight's size in fp32).
+# at M = 1, 11-13 ms at M = 2 and 35 ms at M = 17; the packed weight 8 / 16 ms at M = 2 / 17.
+# Over the real-shape models' weights the packed form is 1.4-2.7x faster at M = 4, 1.0-2.2x at
+# M = 64, but 0.77-1.2x at M = 1,024 and 0.6-1.0x at M = 1 (bench/gemm_forms.py,
+# docs/results/runner.md), so it takes 2 <= M <= PACK_MAX_ROWS; M = 1 keeps torch's GEMV and
+# large prefill chunks torch's GEMM.  Only weights of at least PACK_MIN_ELEMENTS are packed (on
+# small ones the call overhead wins).  The packed copy is extra memory: the weight in fp32.
+PACK_MAX_ROWS = 256
 PACK_MIN_ELEMENTS = 1 << 19
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                  "_linear_pointwise")
@@ -68,19 +71,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T`` in ``x``'s dtype.  With ``packed`` (``pack_weight(weight)``), two or more rows
-    take the packed fp32 GEMM.  A weight held in fp32 for a bf16 model (``hold_fp32``)
-    takes an fp32 GEMM rounded once to bf16.  Otherwise, on a CPU without native bf16, a bf16
-    GEMM of many rows (a prefill chunk) is computed the same way after upcasting the weight:
-    the products of bf16 operands are exact in fp32 and the emulated bf16 GEMM accumulates in
-    fp32 too, so only the summation order differs, at 4-6x the speed.  Small row counts
-    (decode) keep the bf16 GEMM on a contiguous weight, which reads half the bytes."""
-    if packed is not None and x.numel() >= 2 * x.shape[-1]:
-        return packed_linear(x, packed)
+    """``x W^T`` in ``x``'s dtype.  With ``packed`` (``pack_weight(weight)``), 2 to
+    ``PACK_MAX_ROWS`` rows take the packed fp32 GEMM, and so does one row of a transposed bf16
+    weight (which would otherwise be upcast whole).  A weight held in fp32 for a bf16 model
+    (``hold_fp32``) takes an fp32 GEMM rounded once to bf16.  Otherwise, on a CPU without
+    native bf16, a bf16 GEMM of many rows (a prefill chunk) is computed the same way after
+    upcasting the weight: the products of bf16 operands are exact in fp32 and the emulated bf16
+    GEMM accumulates in fp32 too, so only the summation order differs, at 4-6x the speed.
+    Small row counts (decode) keep the bf16 GEMM on a contiguous weight, which reads half the
+    bytes."""
+    rows = x.numel() // x.shape[-1]
+    if packed is not None and (2 <= rows <= PACK_MAX_ROWS or (
+            rows == 1 and weight.dtype != torch.float32 and not weight.is_contiguous())):
+        return packed_linear(x, packed)  # and one row of a transposed bf16 (expert) weight
     if weight.dtype != x.dtype:
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
     if (_EMULATED_BF16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and (x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] or not weight.is_contiguous())):
+            and (rows >= UPCAST_MIN_ROWS or not weight.is_contiguous())):
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
 
@@ -99,8 +106,8 @@ def hold_fp32(model: nn.Module) -> int:
     the upcast of every weight it reads.  Costs 2x the weight memory."""
     added = 0
     for module in model.modules():
-        if getattr(module, "packed", None) is not None:
-            continue  # pack_gemms gave it an fp32 copy for 2+ rows; one row keeps the bf16 GEMV
+        if getattr(module, "packed", None) is not None or getattr(module, "packed_experts", None):
+            continue  # pack_gemms gave it fp32 copies (one row of a linear keeps the bf16 GEMV)
         for name in getattr(module, "GEMM_WEIGHTS", ()):
             param = getattr(module, name)
             if param.dtype == torch.bfloat16:
