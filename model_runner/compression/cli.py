@@ -25,6 +25,7 @@ from model_runner.compression.plan import (
     dense_plan,
     random_plan,
 )
+from model_runner.compression.target import plan_for_slots
 from model_runner.compression.weights import WeightsError, has_weights, load_decay_params
 from model_runner.config import ConfigError, ModelConfig
 
@@ -55,9 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL_OR_CONFIG_DIR",
                    help="model directory (config.json, optional safetensors) or a config.json")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
-    p.add_argument("--wmax", type=float, nargs="+", default=None, metavar="W",
-                   help=f"thresholds W_max (default: {' '.join(f'{w:g}' for w in DEFAULT_WMAX)}"
-                   ", or the dense row alone without weights)")
+    choose = p.add_mutually_exclusive_group()
+    choose.add_argument("--wmax", type=float, nargs="+", default=None, metavar="W",
+                        help="thresholds W_max (default: "
+                        f"{' '.join(f'{w:g}' for w in DEFAULT_WMAX)}, or the dense row alone "
+                        "without weights)")
+    choose.add_argument("--target-slots", type=int, default=None, metavar="N",
+                        help="pick the smallest W_max whose worst-rank slot fits N checkpoint "
+                        "slots in the budget, and report the capacity and the omitted fraction "
+                        "it implies (needs weights; default: off)")
+    p.add_argument("--placement", choices=PLACEMENTS, default="off",
+                   help="with --target-slots: the placement whose slots are counted")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget-bytes", type=int,
                         help="per-rank checkpoint budget in bytes (default: set by --dense-slots)")
@@ -95,15 +104,17 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = path.parent if path.name == "config.json" else path
     cfg = ModelConfig.from_dir(model_dir)
     check_bundle_split(cfg, args.tp)
+    budget = (dense_budget(cfg, args.tp, args.dense_slots) if args.budget_bytes is None
+              else args.budget_bytes)
+    if budget < 0:
+        raise PlanError(f"budget must be >= 0 bytes, got {budget}")
+    if args.target_slots is not None:
+        args.wmax = [_target_w_max(args, cfg, model_dir, budget)]
     wmaxes = list(DEFAULT_WMAX) if args.wmax is None else list(args.wmax)
     for w in wmaxes:
         check_w_max(w)
     if args.save_plan is not None and len(wmaxes) != 1:
         raise PlanError("--save-plan needs exactly one --wmax")
-    budget = (dense_budget(cfg, args.tp, args.dense_slots) if args.budget_bytes is None
-              else args.budget_bytes)
-    if budget < 0:
-        raise PlanError(f"budget must be >= 0 bytes, got {budget}")
     needs_weights = args.plot is not None or (args.wmax is not None and any(wmaxes))
     weights = has_weights(model_dir)
     if needs_weights and not weights:
@@ -143,6 +154,26 @@ def _run(args: argparse.Namespace) -> int:
     if not weights:
         print(f"note: {model_dir} has no weights: dense row only", file=sys.stderr)
     return 0
+
+
+def _target_w_max(args: argparse.Namespace, cfg: ModelConfig, model_dir: Path,
+                  budget: int) -> float:
+    """--target-slots: the chosen W_max, with one line on what it implies."""
+    if not has_weights(model_dir):
+        raise PlanError(f"{model_dir} has no safetensors weights; --target-slots needs the "
+                        "decay parameters")
+    params = load_decay_params(model_dir, cfg)
+    horizons = static_horizons(cfg, params, args.gate_input, args.eps)
+    fit = plan_for_slots(ModelIdentity.of(cfg, params), horizons, cfg, args.tp,
+                         args.target_slots, budget, args.int8, args.layout, args.placement,
+                         args.gate_input, args.eps)
+    slot = fit.report.placements[0].slot_bytes
+    print(f"target {args.target_slots} slots: W_max {fit.plan.w_max:.9g} (the smallest that "
+          f"fits), {fit.slots} slots of {slot:,} bytes per rank ({args.placement} placement, "
+          f"{'int8' if args.int8 else 'fp32'}), {fit.capacity:.2f}x the {fit.report.dense_slots} "
+          f"dense slots, {fit.omitted_fraction:.1%} of units omitted, W_wr "
+          f"{fit.plan.refresh_window}", file=sys.stderr)
+    return fit.plan.w_max
 
 
 def _rows(reports: list[PlanReport]) -> list[dict]:
