@@ -87,7 +87,8 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
     app = FastAPI(title="dasc", docs_url=None, redoc_url=None)
     app.add_middleware(Guards, api_key=options.api_key, max_body=options.max_request_bytes)
     metrics = Metrics(engine.info)
-    max_in_flight = engine.info.max_running_requests + options.max_queued_requests
+    scheduling = engine.info.config.scheduling
+    max_in_flight = scheduling.max_running_requests + options.max_queued_requests
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -142,7 +143,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                 f"choices; at most {max_in_flight} (--max-running-requests + "
                 "--max-queued-requests)",
                 param=("best_of" if req.best_of else "n") if num_samples > 1 else "prompt")
-        info = engine.info
+        info = engine.info.rank
         stop_token_ids = list(req.stop_token_ids or [])
         if any(not 0 <= t < info.vocab_size for t in stop_token_ids):
             raise RequestError(f"stop_token_ids must lie in [0, {info.vocab_size})",
@@ -179,7 +180,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                                           param=param,
                                           vocab_size=info.vocab_size,
                                           max_context_len=info.max_context_len,
-                                          max_total_tokens=info.max_total_tokens)
+                                          max_total_tokens=scheduling.max_total_tokens)
             except RequestError as e:
                 if num_prompts > 1:
                     e.message = f"prompt {prompt_index}: {e.message}"
@@ -208,7 +209,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                    include_usage=req.include_usage, created=int(time.time()),
                    metrics=metrics, arrived=time.perf_counter(),
                    logprobs=req.wants_logprobs, echo=echo,
-                   share_prompts=info.prefix_cache, num_returned=req.n)
+                   share_prompts=scheduling.prefix_cache, num_returned=req.n)
 
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request
                     ) -> Response:
@@ -242,15 +243,16 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dasc",
-                "max_model_len": engine.info.max_context_len}
+                "max_model_len": engine.info.rank.max_context_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/server_info")
     async def server_info() -> dict:
         """The engine's facts; ``model_path`` and ``served_model_name`` under SGLang's names too,
         which the SGLang model gateway reads to name the model and load its tokenizer."""
-        return {**asdict(engine.info), "arm": engine.info.arm, "model_path": engine.info.model,
-                "tokenizer_path": engine.info.model, "served_model_name": model_name}
+        model = engine.info.config.model
+        return {**engine.info.as_json(), "model_path": model, "tokenizer_path": model,
+                "served_model_name": model_name}
 
     async def scheduler_stats():
         try:

@@ -1,7 +1,8 @@
 """The front end's side of the scheduler connection.
 
-One reader thread receives ``TokenOut`` / ``FlushCacheDone`` frames and hands them to the event
-loop; each request awaits its own queue.  One writer thread sends the front end's messages, so
+One reader thread receives ``TokenBatch`` / ``FlushCacheDone`` / ``Stats`` frames and hands them
+to the event loop; a step's batch is split there into its requests' ``TokenOut``s, and each
+request awaits its own queue.  One writer thread sends the front end's messages, so
 a scheduler that is slow to read never blocks the event loop (and with it every HTTP request).
 A request whose consumer goes away (client disconnect, stop string matched) is aborted at the
 scheduler, which frees it after its in-flight step.
@@ -26,6 +27,7 @@ from scheduler.messages import (
     ServerInfo,
     Stats,
     StatsReq,
+    TokenBatch,
     TokenOut,
 )
 
@@ -128,10 +130,11 @@ class EngineClient:
         return True
 
     def _dispatch(self, msg: object) -> None:
-        if isinstance(msg, TokenOut):
-            queue = self._queues.get(msg.rid)
-            if queue is not None:
-                queue.put_nowait(msg)
+        if isinstance(msg, TokenBatch):
+            for out in msg.outs:
+                queue = self._queues.get(out.rid)
+                if queue is not None:  # None: the request left (and was aborted)
+                    queue.put_nowait(out)
         elif self._waiters.get(type(msg)):
             fut = self._waiters[type(msg)].pop(0)
             if not fut.done():

@@ -3,6 +3,8 @@
 Processes: this one runs the front end (uvicorn, FastAPI); ``python -m scheduler`` owns the
 queue, the radix cache and the pools; ``torchrun ... -m model_runner.serve_rank`` runs the T
 ranks (one plain process at T = 1).  Connections are loopback TCP with a per-launch secret.
+The flags are parsed once, here (``dasc_server.flags``): each child gets the one frozen
+``ServeConfig`` they make as a JSON argument, and the scheduler hands it back in ``ServerInfo``.
 Start-up failures end the server at once with one ``error:`` line and a non-zero exit: bad
 flags, a port that is taken (the HTTP port is bound before any model loads), a missing CUDA
 device, a child that dies before the server is ready.  The children's own ``error:`` lines are
@@ -26,109 +28,10 @@ import threading
 import time
 from pathlib import Path
 
-from client.cli_help import DefaultsHelpFormatter
-from model_runner.config import DEFAULT_MODEL
-from model_runner.rank_args import add_rank_args
+from dasc_server.flags import parse_args, serve_config, validate
 from scheduler import ipc
-from scheduler.__main__ import add_scheduler_args
 from scheduler.messages import ServerInfo, Shutdown
-
-RANK_FLAGS = ("--dtype", "--device", "--cpu-fp32-weights", "--cpu-packed-weights",
-              "--step-target-ms", "--wmax", "--load-policy", "--placement",
-              "--mask-seed", "--selection", "--state-budget-bytes", "--checkpoint-slots",
-              "--cuda-graph-max-bs", "--cuda-graph-max-context")
-RANK_SWITCHES = ("--int8-checkpoints", "--disable-cuda-graph")
-SCHED_FLAGS = ("--max-total-tokens", "--max-running-requests", "--chunked-prefill-size",
-               "--step-target-ms", "--checkpoint-interval", "--wmax", "--load-policy",
-               "--schedule-policy", "--schedule-max-passes", "--prefill-mix-ratio",
-               "--decode-interleave", "--checkpoint-eviction")
-SCHED_SWITCHES = ("--no-prefix-cache", "--no-cache-finished")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """dasc-serve's flags; declaring them imports no torch, so ``--help`` is instant."""
-    p = argparse.ArgumentParser(
-        prog="dasc-serve", formatter_class=DefaultsHelpFormatter,
-        description="Serve a Qwen3-Next or Kimi-Linear checkpoint with an OpenAI-compatible API "
-                    "and a prefix cache of compressed (dasc) recurrent-state checkpoints.")
-    p.add_argument("--model", default=str(DEFAULT_MODEL),
-                   help="folder with config.json and *.safetensors (default: the built-in tiny "
-                        "Kimi-Linear model, %(default)s)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the folder name)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="bind address (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--startup-timeout", type=float, default=300.0,
-                   help="seconds to wait for the ranks to load the model")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, seconds to let in-flight requests finish")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $DASC_API_KEY if set, else no key)")
-    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
-                   help="larger request bodies get 413")
-    p.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests waiting beyond --max-running-requests; more get 503")
-    g = p.add_argument_group("multi-node (passed to torchrun; node 0 runs the front end and "
-                             "the scheduler, other nodes only their ranks)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span")
-    g.add_argument("--node-rank", type=int, default=0, help="this node's index")
-    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for torchrun")
-    g.add_argument("--master-port", type=int, default=29500, help="node 0's torchrun port")
-    add_rank_args(p)
-    add_scheduler_args(p)
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    if args.api_key is None:  # read here, so that --help never prints the key
-        args.api_key = os.environ.get("DASC_API_KEY")
-    return args
-
-
-def validate(args: argparse.Namespace) -> None:
-    """What can be checked before any process starts; raises with a one-line message."""
-    from model_runner.config import ModelConfig
-    from model_runner.loader import check_tp, check_weight_files
-
-    if args.tp < 1:
-        raise ValueError(f"--tp must be at least 1 (got {args.tp})")
-    model_dir = Path(args.model)
-    cfg = ModelConfig.from_dir(model_dir)
-    check_tp(cfg, args.tp, str(model_dir / "config.json"))
-    check_weight_files(model_dir)
-    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                 "cuda_graph_max_bs", "cuda_graph_max_context", "step_target_ms"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("checkpoint_interval", "wmax", "schedule_max_passes", "prefill_mix_ratio"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
-    for flag, port in (("--port", args.port), ("--master-port", args.master_port)):
-        if not 1 <= port <= 65535:
-            raise ValueError(f"{flag} must lie in [1, 65535] (got {port})")
-    check_device(args)
-    if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
-        raise ValueError("--checkpoint-slots must be at least 1")
-    if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
-                         f"--node-rank must lie in [0, {args.nnodes})")
-
-
-def check_device(args: argparse.Namespace) -> None:
-    if args.device == "cpu":
-        return
-    if args.device != "cuda":
-        raise ValueError(f"--device must be cpu or cuda (got {args.device!r})")
-    import torch
-
-    need, have = args.tp // args.nnodes, torch.cuda.device_count()
-    if have < need:
-        raise ValueError(f"--device cuda needs {need} CUDA device(s) on this node, "
-                         f"{have} visible")
+from scheduler.serve_config import ServeConfig
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -184,32 +87,19 @@ def _spawn(cmd: list[str], env: dict[str, str], errors: ChildErrors) -> subproce
     return errors.relay(proc)
 
 
-def _pass(args: argparse.Namespace, flags: tuple[str, ...], switches: tuple[str, ...]
-          ) -> list[str]:
-    out = []
-    for flag in flags:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            out += [flag, str(value)]
-    return out + [s for s in switches if getattr(args, s[2:].replace("-", "_"))]
-
-
-def start_children(args: argparse.Namespace, errors: ChildErrors
+def start_children(args: argparse.Namespace, config: ServeConfig, errors: ChildErrors
                    ) -> dict[str, subprocess.Popen]:
+    """The scheduler (node 0 only) and this node's ranks, each handed ``config`` whole."""
     rank_port, front_port = ipc.free_port(), ipc.free_port()
     args.frontend_port = front_port
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env[ipc.AUTHKEY_ENV] = ipc.new_authkey()
     os.environ[ipc.AUTHKEY_ENV] = env[ipc.AUTHKEY_ENV]
-    py = sys.executable
+    py, as_json = sys.executable, config.to_json()
     sched = [py, "-m", "scheduler", "--rank-port", str(rank_port), "--frontend-port",
-             str(front_port), "--model", args.model,
-             *_pass(args, SCHED_FLAGS, SCHED_SWITCHES)]
-    rank_args = ["--model", args.model, "--scheduler-port", str(rank_port),
-                 "--max-total-tokens", str(args.max_total_tokens),
-                 "--max-running-requests", str(args.max_running_requests),
-                 *_pass(args, RANK_FLAGS, RANK_SWITCHES)]
-    ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", *rank_args]
+             str(front_port), "--config", as_json]
+    ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", "--scheduler-port",
+             str(rank_port), "--config", as_json]
     if args.node_rank > 0:
         return {"ranks": _spawn(ranks, env, errors)}
     return {"scheduler": _spawn(sched, env, errors), "ranks": _spawn(ranks, env, errors)}
@@ -286,12 +176,13 @@ def stop_children(children: dict[str, subprocess.Popen], conn) -> None:
 
 
 def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
-    return (f"dasc-serve ready: http://{args.host}:{args.port} model={name} tp={info.tp_size} "
-            f"checkpoint_slots={info.num_checkpoint_slots} "
-            f"bytes_per_slot={info.checkpoint_bytes_per_slot} "
-            f"(dense {info.dense_bytes_per_slot}) wmax={info.w_max:g} "
+    rank, ckpt = info.rank, info.config.checkpoints
+    return (f"dasc-serve ready: http://{args.host}:{args.port} model={name} tp={rank.tp_size} "
+            f"checkpoint_slots={rank.num_checkpoint_slots} "
+            f"bytes_per_slot={rank.checkpoint_bytes_per_slot} "
+            f"(dense {rank.dense_bytes_per_slot}) wmax={ckpt.w_max:g} "
             f"chunked_prefill_size={info.chunked_prefill_size} "
-            f"load_policy={info.load_policy} prefix_cache={info.prefix_cache}")
+            f"load_policy={ckpt.load_policy} prefix_cache={info.config.scheduling.prefix_cache}")
 
 
 def serve(args: argparse.Namespace, conn, info: ServerInfo,
@@ -375,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
     errors = ChildErrors()
-    children = start_children(args, errors)
+    children = start_children(args, serve_config(args), errors)
     if args.node_rank > 0:
         return run_worker_node(children["ranks"], errors)
     conn = failure = None

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler.messages import ServerInfo, Stats
+from scheduler.serve_config import LoadPolicy
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,7 +37,7 @@ class _SchedulerCollector:
             "dasc_checkpoint_slots_used": ("checkpoint slots cached or being written",
                                            s.checkpoint_slots_total - s.checkpoint_slots_free),
             "dasc_checkpoint_bytes_per_slot": ("worst-rank bytes of one checkpoint slot",
-                                               self.info.checkpoint_bytes_per_slot),
+                                               self.info.rank.checkpoint_bytes_per_slot),
             "dasc_running_requests": ("requests holding an active state slot", s.num_running),
             "dasc_queued_requests": ("requests waiting for admission", s.num_waiting),
             "dasc_integrity_ok": ("1 if the scheduler's integrity check passed",
@@ -45,24 +46,24 @@ class _SchedulerCollector:
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         c = s.counters
-        prompt, cached = c.get("prompt_tokens", 0), c.get("cached_tokens", 0)
         yield GaugeMetricFamily("dasc_cache_hit_rate", "cached / prompt tokens (token-weighted)",
-                                value=cached / prompt if prompt else 0.0)
+                                value=c.cached_tokens / c.prompt_tokens if c.prompt_tokens
+                                else 0.0)
         counters = {
-            "dasc_prompt_tokens": ("prompt tokens admitted", prompt),
-            "dasc_cached_tokens": ("prompt tokens restored from the prefix cache", cached),
-            "dasc_kv_evicted_rows": ("KV rows evicted from the cache", c.get("kv_evicted_rows")),
-            "dasc_checkpoints_evicted": ("checkpoints evicted", c.get("checkpoints_evicted")),
-            "dasc_checkpoints_stored": ("checkpoints stored", c.get("checkpoints_stored")),
-            "dasc_refresh_tokens": ("tokens replayed by dasc-wr refreshes",
-                                    c.get("refresh_tokens")),
+            "dasc_prompt_tokens": ("prompt tokens admitted", c.prompt_tokens),
+            "dasc_cached_tokens": ("prompt tokens restored from the prefix cache",
+                                   c.cached_tokens),
+            "dasc_kv_evicted_rows": ("KV rows evicted from the cache", c.kv_evicted_rows),
+            "dasc_checkpoints_evicted": ("checkpoints evicted", c.checkpoints_evicted),
+            "dasc_checkpoints_stored": ("checkpoints stored", c.checkpoints_stored),
+            "dasc_refresh_tokens": ("tokens replayed by dasc-wr refreshes", c.refresh_tokens),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value or 0)
+            yield CounterMetricFamily(name, doc, value=value)
         loads = CounterMetricFamily("dasc_checkpoint_loads", "checkpoint loads (hits) by policy",
                                     labels=["policy"])
-        for policy in ("nr", "wr"):
-            loads.add_metric([policy], c.get(f"loads_{policy}", 0))
+        for policy in LoadPolicy:
+            loads.add_metric([policy.value], c.loads(policy))
         yield loads
 
 

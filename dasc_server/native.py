@@ -21,7 +21,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -82,12 +82,12 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
                       model_name: str, prepare: Callable[[CompletionRequest], Job],
                       max_in_flight: int) -> None:
     """Add the native routes; ``prepare`` is the OpenAI routes' request -> ``Job`` step."""
-    info = engine.info
+    info, model = engine.info.rank, engine.info.config.model
     model_info = {
-        "model_path": info.model, "tokenizer_path": info.model if tokenizer else None,
+        "model_path": model, "tokenizer_path": model if tokenizer else None,
         "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
         "has_image_understanding": False, "has_audio_understanding": False,
-        "model_type": _model_type(info.model), "architectures": [info.model_type]}
+        "model_type": _model_type(model), "architectures": [info.model_type]}
 
     def admit(req: CompletionRequest) -> Job:
         job = prepare(req)
@@ -132,7 +132,7 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
-        return {**asdict(info), "model_path": info.model,
+        return {**engine.info.as_json(), "model_path": model,
                 "tokenizer_path": model_info["tokenizer_path"], "served_model_name": model_name,
                 "dp_size": 1, "version": _version()}
 

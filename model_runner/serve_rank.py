@@ -1,9 +1,10 @@
-"""One serving rank: ``python -m model_runner.serve_rank ...`` under torchrun (or alone at TP=1).
+"""One serving rank: ``python -m model_runner.serve_rank --config JSON ...`` under torchrun (or
+alone at TP=1).
 
-The rank builds the runner, the selection plan and the checkpoint pool, then executes the
-``BatchPlan``s the scheduler sends.  Only rank 0 talks to the scheduler; it republishes each
-plan to the other ranks with a torch.distributed broadcast, so every rank runs the same plans in
-the same order (SPMD), and it alone samples and replies.
+The rank builds the runner, the selection plan and the checkpoint pool from the ``ServeConfig``
+the launcher built, then executes the ``BatchPlan``s the scheduler sends.  Only rank 0 talks to
+the scheduler; it republishes each plan to the other ranks with a torch.distributed broadcast,
+so every rank runs the same plans in the same order (SPMD), and it alone samples and replies.
 """
 
 from __future__ import annotations
@@ -28,22 +29,23 @@ from model_runner.config import ModelConfig
 from model_runner.cpu_features import emulated_bf16_note
 from model_runner.grammar import TokenizerCache
 from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
-from model_runner.rank_args import add_rank_args, fp32_weights
+from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
 from scheduler import ipc
 from scheduler.messages import BatchPlan, RankInfo, RowTables, SeqStep, Shutdown, StepResult
 from scheduler.scheduler import active_state_slots
+from scheduler.serve_config import CheckpointSpec, Payload, RankConfig, Selection, ServeConfig
 
 
-def build_plan(args: argparse.Namespace, cfg: ModelConfig) -> SelectionPlan:
+def build_plan(model_dir: str, cfg: ModelConfig, spec: CheckpointSpec) -> SelectionPlan:
     """Needs only the config and the decay weights, so hybrid placement can load the model in
     the permuted head order the plan asks for."""
-    params = load_decay_params(args.model, cfg)
+    params = load_decay_params(model_dir, cfg)
     horizons = static_horizons(cfg, params)
-    plan = dasc_plan(ModelIdentity.of(cfg, params), horizons, args.wmax)
-    if args.selection == "random" and args.wmax > 0:
-        plan = random_plan(plan, horizons, args.mask_seed)
+    plan = dasc_plan(ModelIdentity.of(cfg, params), horizons, spec.w_max)
+    if spec.selection is Selection.RANDOM and spec.w_max > 0:
+        plan = random_plan(plan, horizons, spec.mask_seed)
     return plan
 
 
@@ -52,53 +54,53 @@ def max_context_len(model_dir: str) -> int:
     return int(raw.get("max_position_embeddings") or raw.get("model_max_length") or 8192)
 
 
-def graph_max_bs(args: argparse.Namespace, device: torch.device) -> int:
+def graph_max_bs(ranks: RankConfig, max_running_requests: int, device: torch.device) -> int:
     """CUDA graphs for decode by default on cuda only (0: eager decode)."""
-    if device.type != "cuda" or args.disable_cuda_graph:
+    if device.type != "cuda" or not ranks.cuda_graph:
         return 0
-    return min(args.cuda_graph_max_bs, args.max_running_requests)
+    return min(ranks.cuda_graph_max_bs, max_running_requests)
 
 
-def checkpoint_slots(args: argparse.Namespace, slot_bytes: int) -> int:
-    if args.checkpoint_slots is not None:
-        return args.checkpoint_slots
-    if args.state_budget_bytes is not None:
-        return slots_at_budget(args.state_budget_bytes, slot_bytes)
+def checkpoint_slots(ranks: RankConfig, slot_bytes: int) -> int:
+    if ranks.checkpoint_slots is not None:
+        return ranks.checkpoint_slots
+    if ranks.state_budget_bytes is not None:
+        return slots_at_budget(ranks.state_budget_bytes, slot_bytes)
     return 64
 
 
-def start(args: argparse.Namespace) -> tuple[ModelRunner, TPGroup, RankInfo]:
-    device = torch.device(args.device)
+def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
+    ranks, sched, spec = config.ranks, config.scheduling, config.checkpoints
+    device = torch.device(ranks.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
     tp = init_tp_group(device)
-    cfg = ModelConfig.from_dir(args.model)
-    rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
-                      num_pages=args.max_total_tokens, page_size=1,
-                      num_state_slots=active_state_slots(args.max_running_requests),
-                      cuda_graph_max_bs=graph_max_bs(args, device),
-                      cuda_graph_max_context=args.cuda_graph_max_context,
-                      fp32_weights=fp32_weights(args.cpu_fp32_weights),
-                      packed_weights=args.cpu_packed_weights == "on")
-    plan = build_plan(args, cfg)
-    head_order = placement_head_order(plan, cfg, tp.size, args.placement)
+    cfg = ModelConfig.from_dir(config.model)
+    rc = RunnerConfig(config.model, dtype=ranks.dtype, device=str(device),
+                      num_pages=sched.max_total_tokens, page_size=1,
+                      num_state_slots=active_state_slots(sched.max_running_requests),
+                      cuda_graph_max_bs=graph_max_bs(ranks, sched.max_running_requests, device),
+                      cuda_graph_max_context=ranks.cuda_graph_max_context,
+                      fp32_weights=fp32_weights(ranks.cpu_fp32_weights),
+                      packed_weights=ranks.cpu_packed_weights)
+    plan = build_plan(config.model, cfg, spec)
+    placement = spec.placement.value  # the compression modules take plain strings
+    head_order = placement_head_order(plan, cfg, tp.size, placement)
     runner = ModelRunner(rc, tp, head_order)
-    report = report_plan(plan, cfg, tp.size, int8=args.int8_checkpoints,
-                         placements=(args.placement,))
+    report = report_plan(plan, cfg, tp.size, int8=spec.payload is Payload.INT8,
+                         placements=(placement,))
     slot_bytes = report.placements[0].slot_bytes
-    num_slots = checkpoint_slots(args, slot_bytes)
+    num_slots = checkpoint_slots(ranks, slot_bytes)
     if num_slots < 1:
         raise ValueError(f"the state budget holds no checkpoint slot ({slot_bytes} bytes each)")
-    payload = "int8" if args.int8_checkpoints else "fp32"
-    runner.attach_checkpoints(plan, num_slots, CheckpointFormat(payload=payload,
-                                                                placement=args.placement))
+    runner.attach_checkpoints(plan, num_slots, CheckpointFormat(payload=spec.payload.value,
+                                                                placement=placement))
     info = RankInfo(cfg.architecture, tp.size, cfg.vocab_size, cfg.eos_token_id,
-                    max_context_len(args.model), num_slots, slot_bytes,
+                    max_context_len(config.model), num_slots, slot_bytes,
                     dense_slot_bytes(cfg, tp.size), plan.refresh_window,
-                    f"{args.selection} {payload} {args.placement}",
-                    measure_prefill_rate(runner, min(PROBE_TOKENS, args.max_total_tokens))
-                    if args.step_target_ms else 0.0)
+                    measure_prefill_rate(runner, min(PROBE_TOKENS, sched.max_total_tokens))
+                    if sched.step_target_ms else 0.0)
     return runner, tp, info
 
 
@@ -250,21 +252,22 @@ def _next_plan(conn) -> object:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m model_runner.serve_rank",
                                 description="A dasc serving rank (started by dasc-serve).")
-    p.add_argument("--model", required=True)
-    p.add_argument("--scheduler-port", type=int, required=True)
-    p.add_argument("--max-total-tokens", type=int, required=True)
-    p.add_argument("--max-running-requests", type=int, required=True)
-    p.add_argument("--step-target-ms", type=float, default=None,
-                   help="measure the prefill rate at start-up (the scheduler's flag)")
-    add_rank_args(p)
-    args, _ = p.parse_known_args(argv)
+    p.add_argument("--scheduler-port", type=int, required=True, help="rank 0 connects here")
+    p.add_argument("--config", required=True, help="the ServeConfig, as JSON")
+    args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = os.environ.get("RANK", "0")
-    note = emulated_bf16_note(args.device, args.dtype, args.cpu_fp32_weights)
+    try:
+        config = ServeConfig.from_json(args.config)
+    except ValueError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    ranks = config.ranks
+    note = emulated_bf16_note(ranks.device, ranks.dtype, ranks.cpu_fp32_weights)
     if note and rank == "0":
         print(note, file=sys.stderr, flush=True)
     try:
-        runner, tp, info = start(args)
+        runner, tp, info = start(config)
         with torch.inference_mode():
             serve(runner, tp, info, args.scheduler_port)
     except (EOFError, ConnectionError):

@@ -3,9 +3,10 @@
 Why this transport: it is in the standard library (no broker, no extra dependency), it frames
 messages, and its ``authkey`` handshake (HMAC challenge) keeps other local users from talking to
 the scheduler.  Every connection is point to point (front end <-> scheduler <-> rank 0) and
-strictly ordered, which is all the engine needs.  Messages are the dataclasses of
-``scheduler.messages``, pickled; decoding goes through an unpickler that only builds those
-classes, so a peer can never make us import or call anything else.
+strictly ordered, which is all the engine needs.  Messages are the dataclasses and enums of
+``scheduler.messages.MESSAGE_TYPES`` (the serving config's among them), pickled; decoding goes
+through an unpickler that only builds those classes, each from its own module, so a peer can
+never make us import or call anything else.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from multiprocessing.connection import Client, Connection, Listener
 from scheduler import messages
 
 AUTHKEY_ENV = "DASC_IPC_AUTHKEY"
-_ALLOWED = {cls.__name__: cls for cls in messages.MESSAGE_TYPES}
+_ALLOWED = {(cls.__module__, cls.__name__): cls for cls in messages.MESSAGE_TYPES}
 
 
 class _MessageUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module == messages.__name__ and name in _ALLOWED:
-            return _ALLOWED[name]
-        raise pickle.UnpicklingError(f"refusing to decode {module}.{name}")
+        cls = _ALLOWED.get((module, name))
+        if cls is None:
+            raise pickle.UnpicklingError(f"refusing to decode {module}.{name}")
+        return cls
 
 
 def send(conn: Connection, msg: object) -> None:

@@ -5,12 +5,24 @@ Plain dataclasses of ints, floats, strings and lists; no torch, so every role im
 that is not one of these classes (or a builtin container of scalars).
 
 Flow of one request: GenerateReq (front end) -> the scheduler plans BatchPlans -> rank 0 returns
-a StepResult per plan -> the scheduler sends TokenOut frames (front end) until one is finished.
+a StepResult per plan -> the scheduler sends one TokenBatch per step to the front end, holding a
+TokenOut for each request that got tokens, until the request's finished one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+from scheduler.serve_config import (
+    CheckpointSpec,
+    LoadPolicy,
+    Payload,
+    Placement,
+    RankConfig,
+    SchedulingConfig,
+    Selection,
+    ServeConfig,
+)
 
 # ---- front end -> scheduler --------------------------------------------------------------------
 
@@ -98,9 +110,36 @@ class TokenOut:
 
 
 @dataclass(slots=True)
+class TokenBatch:
+    """One frame per step, not per token: a TokenOut for every request the step sampled for
+    (or, alone, the finished one that refuses a request), in plan order."""
+
+    outs: list[TokenOut]
+
+
+@dataclass(slots=True)
 class FlushCacheDone:
     ok: bool
     message: str
+
+
+@dataclass(slots=True)
+class Counters:
+    """The scheduler's counters since start-up (``/v1/stats``' ``counters``)."""
+
+    prompt_tokens: int = 0  # admitted
+    cached_tokens: int = 0  # of those, restored from the prefix cache
+    loads_nr: int = 0  # checkpoint hits with the omitted units zero-filled
+    loads_wr: int = 0  # checkpoint hits with a dasc-wr refresh
+    refresh_tokens: int = 0  # tokens those refreshes replayed
+    # every checkpoint the tree took, at a prefill boundary or when a request finished; minus
+    # checkpoints_evicted it is always the number cached
+    checkpoints_stored: int = 0
+    kv_evicted_rows: int = 0
+    checkpoints_evicted: int = 0
+
+    def loads(self, policy: LoadPolicy) -> int:
+        return self.loads_wr if policy is LoadPolicy.WR else self.loads_nr
 
 
 @dataclass(slots=True)
@@ -116,7 +155,7 @@ class Stats:
     checkpoint_slots_cached: int
     num_running: int
     num_waiting: int
-    counters: dict[str, int]  # prompt/cached tokens, loads by policy, stores, evictions
+    counters: Counters
     num_steps: int
     step_s: float  # scheduler wall time of all steps: plan, IPC, ranks, results out
     compute_s: float  # rank 0's share of it
@@ -125,37 +164,27 @@ class Stats:
 
 @dataclass(slots=True)
 class ServerInfo:
-    """What the scheduler tells the front end when everything is ready (and on request)."""
+    """What the scheduler tells the front end once the ranks are up: the config every process
+    runs, rank 0's report, and the prefill budget the scheduler derived from them."""
 
-    model: str
-    model_type: str
-    tp_size: int
-    vocab_size: int
-    eos_token_id: int | None
-    max_total_tokens: int
-    max_context_len: int
-    max_running_requests: int
-    num_checkpoint_slots: int
-    checkpoint_bytes_per_slot: int  # worst rank, as the budget counts it
-    dense_bytes_per_slot: int
-    w_max: float
-    load_policy: str
-    refresh_window: int
-    prefix_cache: bool
-    checkpoint_format: str = ""  # "<selection> <payload> <placement>", e.g. "dasc fp32 hybrid"
-    chunked_prefill_size: int = 0  # new tokens per step, as configured or derived
+    config: ServeConfig
+    rank: RankInfo
+    chunked_prefill_size: int  # new tokens per step, as configured or derived
 
     @property
     def arm(self) -> str:
-        """The evaluation arm this server restores, in dasc-eval's names (dense, nr@16,
-        wr@128, nr-int8@16, random@16)."""
-        if self.w_max == 0:
-            return "dense"
-        selection, payload, _ = (self.checkpoint_format.split() + ["", "", ""])[:3]
-        kind = "random" if selection == "random" else self.load_policy
-        if payload == "int8" and kind == "nr":
-            kind = "nr-int8"
-        return f"{kind}@{self.w_max:g}"
+        return self.config.checkpoints.arm
+
+    def as_json(self) -> dict:
+        """The engine's facts, flat, as ``/server_info`` has always reported them."""
+        ckpt, sched = self.config.checkpoints, self.config.scheduling
+        return {"model": self.config.model, **asdict(self.rank),
+                "max_total_tokens": sched.max_total_tokens,
+                "max_running_requests": sched.max_running_requests,
+                "prefix_cache": sched.prefix_cache,
+                "chunked_prefill_size": self.chunked_prefill_size, "w_max": ckpt.w_max,
+                "load_policy": str(ckpt.load_policy), "checkpoint_format": ckpt.format,
+                "arm": ckpt.arm}
 
 
 # ---- scheduler <-> rank 0 ----------------------------------------------------------------------
@@ -174,8 +203,7 @@ class RankInfo:
     checkpoint_bytes_per_slot: int  # max over ranks
     dense_bytes_per_slot: int  # max over ranks, W_max = 0
     refresh_window: int  # dasc-wr replay length W_wr (0: nothing omitted)
-    checkpoint_format: str = ""  # "<selection> <payload> <placement>", e.g. "dasc fp32 hybrid"
-    prefill_tokens_per_s: float = 0.0  # measured at start-up with --step-target-ms, else 0
+    prefill_tokens_per_s: float = 0.0  # measured at start-up with step_target_ms, else 0
 
 
 @dataclass(slots=True)
@@ -296,6 +324,9 @@ class StepResult:
 
 MESSAGE_TYPES = (
     SamplingParams, GenerateReq, AbortReq, FlushCacheReq, StatsReq, Shutdown, TokenOut,
-    FlushCacheDone, Stats,
+    TokenBatch, FlushCacheDone, Counters, Stats,
     ServerInfo, RankInfo, LogitControls, Sample, SeqStep, BatchPlan, StepResult,
+    # the serving config, inside ServerInfo
+    ServeConfig, RankConfig, SchedulingConfig, CheckpointSpec, LoadPolicy, Selection, Payload,
+    Placement,
 )

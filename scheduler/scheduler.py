@@ -1,8 +1,8 @@
 """Scheduling policy: admission, chunked prefill, continuous decode, checkpoint stores and loads.
 
 No I/O here: ``schedule()`` turns the queue into one ``BatchPlan`` and ``process_result()`` turns
-the ranks' sampled tokens into ``TokenOut`` frames, so the whole policy runs in tests without a
-model or a process.
+the ranks' sampled tokens into the step's ``TokenOut``s (one ``TokenBatch`` frame), so the whole
+policy runs in tests without a model or a process.
 
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet):
     every multiple of ``checkpoint_interval`` inside the prompt, and prompt_len - 1: a hit must
@@ -20,10 +20,11 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.messages import (
     BatchPlan,
+    Counters,
     LogitControls,
     Sample,
     SamplingParams,
@@ -35,6 +36,7 @@ from scheduler.policy import SchedulePolicy, count_passes
 from scheduler.pools import IndexPool
 from scheduler.radix_cache import DEFAULT_CKPT_EVICTION, Node, RadixCache
 from scheduler.request import Req
+from scheduler.serve_config import LoadPolicy
 
 
 def prefill_budget(tokens_per_s: float, step_target_ms: float, low: int = 64,
@@ -63,7 +65,7 @@ class SchedulerConfig:
     checkpoint_interval: int = 256  # 0: prompt end only
     prefix_cache: bool = True
     cache_finished: bool = True
-    load_policy: str = "nr"  # "nr" | "wr"
+    load_policy: LoadPolicy = LoadPolicy.NR
     refresh_window: int = 0
     policy: SchedulePolicy = SchedulePolicy()  # which prefill a step takes first
     ckpt_eviction: str = DEFAULT_CKPT_EVICTION  # "reuse" | "lru" (RadixCache)
@@ -102,10 +104,13 @@ class Scheduler:
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
         self._num_added = 0
         self._rng = random.Random(0)
-        # checkpoints_stored: every checkpoint the tree took, at a prefill boundary or when a
-        # request finished; minus the cache's num_ckpt_evicted it is always num_cached_ckpts
-        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "loads_nr": 0, "loads_wr": 0,
-                      "refresh_tokens": 0, "checkpoints_stored": 0}
+        self._counters = Counters()  # the cache counts the evictions
+
+    @property
+    def stats(self) -> Counters:
+        """A snapshot of the counters, the cache's evictions included."""
+        return replace(self._counters, kv_evicted_rows=self.cache.num_kv_evicted,
+                       checkpoints_evicted=self.cache.num_ckpt_evicted)
 
     # ---- requests in ----------------------------------------------------------------------------
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams) -> TokenOut | None:
@@ -275,8 +280,8 @@ class Scheduler:
         r.node, r.rows, r.cached_len = hit.node, hit.kv_rows + rows, hit.length
         self._new_tables[r.rid] = r
         r.computed = r.hit_len = hit.length
-        self.stats["prompt_tokens"] += len(r.prompt)
-        self.stats["cached_tokens"] += hit.length
+        self._counters.prompt_tokens += len(r.prompt)
+        self._counters.cached_tokens += hit.length
         if hit.length:
             cache.lock_ckpt(hit.node)
             plan.loads.append((hit.node.ckpt, r.slot))
@@ -286,15 +291,15 @@ class Scheduler:
     def _plan_refresh(self, plan: BatchPlan, r: Req) -> None:
         """dasc-wr: replay the last W_wr tokens before the hit into a zero scratch slot."""
         window = self.cfg.refresh_window
-        if self.cfg.load_policy != "wr" or window <= 0:
-            self.stats["loads_nr"] += 1
+        if self.cfg.load_policy != LoadPolicy.WR or window <= 0:
+            self._counters.loads_nr += 1
             return
         end = r.computed
         start = max(0, end - window)
         plan.refresh.append(SeqStep(r.rid, r.prompt[start:end], start, r.slot))
         plan.refresh_scratch.append(self.cfg.scratch_slot_base + len(plan.refresh_scratch))
-        self.stats["loads_wr"] += 1
-        self.stats["refresh_tokens"] += end - start
+        self._counters.loads_wr += 1
+        self._counters.refresh_tokens += end - start
 
     def _boundaries(self, r: Req) -> list[int]:
         if not self.cfg.prefix_cache:
@@ -402,7 +407,7 @@ class Scheduler:
         a checkpoint there and ``ckpt`` went back to the pool."""
         res = self.cache.insert(r.token_slice(0, end), r.rows[:end], ckpt)
         if res.ckpt_taken:
-            self.stats["checkpoints_stored"] += 1
+            self._counters.checkpoints_stored += 1
         else:
             self.cache.ckpt_pool.free([ckpt])
         if res.num_existing > r.cached_len:  # someone cached these tokens first: drop ours

@@ -22,13 +22,14 @@ from serving import KIMI
 from transformers import AutoTokenizer
 
 from dasc_server.app import create_app
-from scheduler.messages import ServerInfo, TokenOut
+from dasc_server.flags import parse_args, serve_config
+from scheduler.messages import RankInfo, ServerInfo, TokenOut
 
-INFO = ServerInfo(model="tiny", model_type="kimi_linear", tp_size=1, vocab_size=264,
-                  eos_token_id=258, max_total_tokens=4096, max_context_len=8192,
-                  max_running_requests=16, num_checkpoint_slots=8,
-                  checkpoint_bytes_per_slot=1, dense_bytes_per_slot=1, w_max=0.0,
-                  load_policy="nr", refresh_window=0, prefix_cache=True)
+RANK = RankInfo(model_type="kimi_linear", tp_size=1, vocab_size=264, eos_token_id=258,
+                max_context_len=8192, num_checkpoint_slots=8, checkpoint_bytes_per_slot=1,
+                dense_bytes_per_slot=1, refresh_window=0)
+INFO = ServerInfo(serve_config(parse_args(["--model", str(KIMI), "--max-total-tokens", "4096"])),
+                  RANK, chunked_prefill_size=2048)
 
 
 class ScriptedEngine:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from client.__main__ import build_parser as client_parser
-from dasc_server.launch import build_parser as serve_parser
+from dasc_server.flags import build_parser as serve_parser
 from loadgen.bench.cli import build_parser as bench_parser
 from loadgen.cli import build_parser as loadgen_parser
 from loadgen.quality.cli import build_parser as eval_parser

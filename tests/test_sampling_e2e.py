@@ -5,13 +5,12 @@ runner's own logits says, and a request's tokens do not depend on its batch."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from serving import KIMI
 from test_sampling_controls import reference
 
+from dasc_server.flags import parse_args, serve_config
 from model_runner.batch import SeqInput
 from model_runner.compression.checkpoint import CheckpointFormat
 from model_runner.runner import ModelRunner, RunnerConfig
@@ -30,7 +29,8 @@ def runner() -> ModelRunner:
     rc = RunnerConfig(str(KIMI), num_pages=ROWS, page_size=1,
                       num_state_slots=active_state_slots(RUNNING))
     runner = ModelRunner(rc)
-    plan = build_plan(argparse.Namespace(model=str(KIMI), wmax=0.0, selection="dasc"), runner.cfg)
+    dense = serve_config(parse_args(["--model", str(KIMI)])).checkpoints
+    plan = build_plan(str(KIMI), runner.cfg, dense)
     runner.attach_checkpoints(plan, 8, CheckpointFormat())
     return runner
 

@@ -24,6 +24,7 @@ from scheduler.messages import (
 from scheduler.policy import SchedulePolicy
 from scheduler.radix_cache import Node
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.serve_config import LoadPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 EOS = 0
@@ -117,7 +118,7 @@ class FakeRanks:
             hs = prefix_hashes(r.prompt[:end])
             assert [self.row[x] for x in kv_rows] == hs
             self.num_refresh += 1
-        if cfg.load_policy != "wr" or cfg.refresh_window <= 0:
+        if cfg.load_policy is not LoadPolicy.WR or cfg.refresh_window <= 0:
             assert not plan.refresh
         # (4) forward
         written: set[int] = set()
@@ -217,7 +218,7 @@ class Loop:
     def check_ckpt_counter(self) -> None:
         """Every checkpoint the tree took was counted: stored - evicted = cached."""
         s = self.s
-        assert s.stats["checkpoints_stored"] - s.cache.num_ckpt_evicted == \
+        assert s.stats.checkpoints_stored - s.stats.checkpoints_evicted == \
             s.cache.num_cached_ckpts
 
     def step(self) -> BatchPlan | None:
@@ -283,7 +284,8 @@ CONFIGS = [
     dict(max_total_tokens=400, max_running_requests=5, num_checkpoint_slots=3,
          chunked_prefill_size=64, checkpoint_interval=16),
     dict(max_total_tokens=300, max_running_requests=2, num_checkpoint_slots=12,
-         chunked_prefill_size=7, checkpoint_interval=12, load_policy="wr", refresh_window=6),
+         chunked_prefill_size=7, checkpoint_interval=12, load_policy=LoadPolicy.WR,
+         refresh_window=6),
     dict(max_total_tokens=500, max_running_requests=6, num_checkpoint_slots=1,
          chunked_prefill_size=40, checkpoint_interval=0),
     dict(max_total_tokens=200, max_running_requests=4, num_checkpoint_slots=5,
@@ -297,7 +299,8 @@ CONFIGS = [
     dict(max_total_tokens=330, max_running_requests=4, num_checkpoint_slots=24,
          chunked_prefill_size=32, checkpoint_interval=16, policy=SchedulePolicy("lpm", 4)),
     dict(max_total_tokens=260, max_running_requests=3, num_checkpoint_slots=6,
-         chunked_prefill_size=24, checkpoint_interval=8, load_policy="wr", refresh_window=6,
+         chunked_prefill_size=24, checkpoint_interval=8, load_policy=LoadPolicy.WR,
+         refresh_window=6,
          policy=SchedulePolicy("lpm", max_passes=1000, mix_ratio=2)),
     # checkpoint eviction by value (scheduler/radix_cache.py, ckpt_eviction="reuse")
     dict(max_total_tokens=400, max_running_requests=5, num_checkpoint_slots=3,
@@ -377,10 +380,10 @@ def test_random_workload(cfg, seed):
     if s.cfg.prefix_cache:
         assert stats.num_stores > 0
         assert stats.num_loads > 0 or s.cfg.num_checkpoint_slots == 1  # 1 slot: LRU churns
-        if s.cfg.load_policy == "wr":
+        if s.cfg.load_policy is LoadPolicy.WR:
             assert stats.num_refresh == stats.num_loads
     else:
-        assert stats.num_loads == stats.num_stores == 0 and s.stats["cached_tokens"] == 0
+        assert stats.num_loads == stats.num_stores == 0 and s.stats.cached_tokens == 0
     assert_drained(s)
 
 
@@ -453,7 +456,7 @@ def test_every_checkpoint_store_is_counted():
     assert loop.final("b").cached_tokens == 23
     assert sum(len(p.stores_before) for p in loop.plans) == 2  # the finish stores
     assert s.cache.num_ckpt_evicted == 0
-    assert s.stats["checkpoints_stored"] == loop.ranks.num_stores == s.cache.num_cached_ckpts \
+    assert s.stats.checkpoints_stored == loop.ranks.num_stores == s.cache.num_cached_ckpts \
         == 7
     assert_drained(s)
 
@@ -485,7 +488,7 @@ def test_no_prefix_cache_matches_and_stores_nothing():
 
 @pytest.mark.parametrize("window,hit_len", [(4, 20), (50, 20), (1, 3)])
 def test_wr_hit_plans_a_refresh_into_a_scratch_slot(window, hit_len):
-    s = make(load_policy="wr", refresh_window=window, checkpoint_interval=0)
+    s = make(load_policy=LoadPolicy.WR, refresh_window=window, checkpoint_interval=0)
     loop = Loop(s, random_tokens())
     prompt = prompt_of(hit_len + 1)
     run_one(loop, "a", prompt, 1)
@@ -495,16 +498,18 @@ def test_wr_hit_plans_a_refresh_into_a_scratch_slot(window, hit_len):
     assert q.token_ids == prompt[hit_len - replay : hit_len] and q.prefix_len == hit_len - replay
     assert q.state_slot == plan.seqs[0].state_slot == plan.loads[0][1]
     assert plan.refresh_scratch[0] >= s.cfg.scratch_slot_base
-    assert s.stats["loads_wr"] == 1 and s.stats["refresh_tokens"] == replay
+    assert s.stats.loads_wr == 1 and s.stats.refresh_tokens == replay
+    assert s.stats.loads(LoadPolicy.WR) == 1 and s.stats.loads(LoadPolicy.NR) == 0
     assert_drained(s)
 
 
 def test_nr_plans_no_refresh():
-    s = make(load_policy="nr", refresh_window=8)
+    s = make(load_policy=LoadPolicy.NR, refresh_window=8)
     loop = Loop(s, random_tokens())
     run_one(loop, "a", prompt_of(20), 1)
     plan = run_one(loop, "b", prompt_of(20), 1)
     assert plan.loads and not plan.refresh and not plan.refresh_scratch
+    assert s.stats.loads(LoadPolicy.NR) == 1 and s.stats.loads_wr == s.stats.refresh_tokens == 0
 
 
 @pytest.mark.parametrize("pressure", ["slots", "rows", "ckpts"])
@@ -663,21 +668,18 @@ def test_ipc_connections_send_small_frames_at_once(monkeypatch):
 def test_chunk_budget_flags():
     """An explicit --chunked-prefill-size wins; --step-target-ms derives the budget from the
     rate rank 0 measured; neither keeps the default."""
-    import argparse
-
+    from dasc_server.flags import parse_args, serve_config
     from scheduler.__main__ import DEFAULT_CHUNKED_PREFILL, chunk_budget
     from scheduler.messages import RankInfo
 
-    info = RankInfo("qwen3_next", 1, 64, None, 4096, 4, 100, 100, 0, "",
-                    prefill_tokens_per_s=4096.0)
+    info = RankInfo("qwen3_next", 1, 64, None, 4096, 4, 100, 100, 0, prefill_tokens_per_s=4096.0)
 
-    def budget(chunk, target):
-        return chunk_budget(argparse.Namespace(chunked_prefill_size=chunk,
-                                               step_target_ms=target), info)
+    def budget(*flags: str) -> int:
+        return chunk_budget(serve_config(parse_args(list(flags))).scheduling, info)
 
-    assert budget(None, 250.0) == 1024
-    assert budget(300, 250.0) == 300
-    assert budget(None, None) == DEFAULT_CHUNKED_PREFILL == 2048
+    assert budget("--step-target-ms", "250") == 1024
+    assert budget("--chunked-prefill-size", "300", "--step-target-ms", "250") == 300
+    assert budget() == DEFAULT_CHUNKED_PREFILL == 2048
 
 
 # ---- logit controls ------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ symbolically, so a reordering that breaks the cache's books fails here too."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 from test_scheduler_policy import Loop, assert_drained, make, prompt_of, random_tokens
 
@@ -225,22 +223,26 @@ def test_policy_order_puts_overdue_first_in_arrival_order():
 
 
 def test_flags_reach_the_scheduler_process():
-    from dasc_server.launch import SCHED_FLAGS, _pass, build_parser
-    from scheduler.__main__ import add_scheduler_args
+    """dasc-serve's scheduling flags travel in the ServeConfig JSON the scheduler process
+    reads, and become its SchedulePolicy and eviction; left out, they are the policy's own
+    defaults."""
+    from dasc_server.flags import parse_args, serve_config
+    from scheduler.__main__ import scheduler_config
+    from scheduler.messages import RankInfo
+    from scheduler.serve_config import ServeConfig
 
-    args = build_parser().parse_args(["--schedule-policy", "lpm", "--schedule-max-passes", "5",
-                                      "--prefill-mix-ratio", "4", "--decode-interleave", "6",
-                                      "--checkpoint-eviction", "reuse"])
-    passed = _pass(args, SCHED_FLAGS, ())
-    sched = argparse.ArgumentParser()
-    add_scheduler_args(sched)
-    got, _ = sched.parse_known_args(passed)
-    assert (got.schedule_policy, got.schedule_max_passes, got.prefill_mix_ratio) == \
-        ("lpm", 5, 4.0)
-    assert got.checkpoint_eviction == "reuse" and got.decode_interleave == 6
-    defaults = build_parser().parse_args([])
-    assert (defaults.schedule_policy, defaults.schedule_max_passes, defaults.prefill_mix_ratio) \
-        == ("lpm", SchedulePolicy().max_passes, SchedulePolicy().mix_ratio)
+    info = RankInfo("kimi_linear", 1, 64, None, 4096, 4, 100, 100, 0)
+
+    def policy_of(*flags: str):
+        sent = serve_config(parse_args(list(flags))).to_json()
+        cfg = scheduler_config(ServeConfig.from_json(sent), info)
+        return cfg.policy, cfg.ckpt_eviction
+
+    policy, eviction = policy_of("--schedule-policy", "fcfs", "--schedule-max-passes", "5",
+                                 "--prefill-mix-ratio", "4", "--decode-interleave", "6",
+                                 "--checkpoint-eviction", "lru")
+    assert policy == SchedulePolicy("fcfs", 5, 4.0, 6) and eviction == "lru"
+    assert policy_of() == (SchedulePolicy(), "reuse")
 
 
 @pytest.mark.parametrize("policy", POLICIES)

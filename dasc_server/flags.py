@@ -1,0 +1,225 @@
+"""dasc-serve's flags, parsed once: ``serve_config`` turns them into the frozen ``ServeConfig``
+the launcher hands to the scheduler and the ranks; the launcher keeps the rest (HTTP, torchrun,
+the API key, timeouts) for itself.  Declaring the flags imports no torch, so ``--help`` is
+instant; ``validate`` checks what it can before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from enum import StrEnum
+from pathlib import Path
+
+from client.cli_help import DefaultsHelpFormatter
+from model_runner.config import DEFAULT_MODEL
+from model_runner.rank_args import FP32_WEIGHTS
+from scheduler.policy import POLICIES, SchedulePolicy
+from scheduler.radix_cache import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
+from scheduler.serve_config import (
+    CheckpointSpec,
+    LoadPolicy,
+    Payload,
+    Placement,
+    RankConfig,
+    SchedulingConfig,
+    Selection,
+    ServeConfig,
+)
+
+POLICY = SchedulePolicy()  # lpm: docs/results/serving.md, "Schedule policies"
+
+
+def values(kind: type[StrEnum]) -> list[str]:
+    return [member.value for member in kind]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dasc-serve", formatter_class=DefaultsHelpFormatter,
+        description="Serve a Qwen3-Next or Kimi-Linear checkpoint with an OpenAI-compatible API "
+                    "and a prefix cache of compressed (dasc) recurrent-state checkpoints.")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="folder with config.json and *.safetensors (default: the built-in tiny "
+                        "Kimi-Linear model, %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the folder name)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds to wait for the ranks to load the model")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds to let in-flight requests finish")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DASC_API_KEY if set, else no key)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting beyond --max-running-requests; more get 503")
+    g = p.add_argument_group("multi-node (passed to torchrun; node 0 runs the front end and "
+                             "the scheduler, other nodes only their ranks)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for torchrun")
+    g.add_argument("--master-port", type=int, default=29500, help="node 0's torchrun port")
+    add_rank_flags(p)
+    add_scheduling_flags(p)
+    return p
+
+
+def add_rank_flags(p: argparse.ArgumentParser) -> None:
+    """``ServeConfig.ranks`` and ``ServeConfig.checkpoints``."""
+    g = p.add_argument_group("model and checkpoints (ranks)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations (bfloat16 is emulated, so slower, on CPUs "
+                        "without native bf16)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    g.add_argument("--cpu-fp32-weights", choices=FP32_WEIGHTS, default="auto",
+                   help="hold a bf16 model's GEMM weights in fp32 (2x their memory; activations, "
+                        "KV and states stay bf16): each GEMM is then one fp32 GEMM rounded to "
+                        "bf16 and no step upcasts weights; auto: on a CPU that only emulates bf16 "
+                        "(default: auto)")
+    g.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
+                   help="give large linear weights a oneDNN-packed fp32 copy for GEMMs of two "
+                        "or more rows (prefill chunks, batched decode), 1.2-2.5x faster than "
+                        "torch's GEMM on this class of CPU, at the weight's size in fp32 of "
+                        "extra memory (default: on)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on cuda, run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=32,
+                   help="largest decode batch replayed as a CUDA graph (capped at "
+                        "--max-running-requests); larger steps and prefill run eagerly "
+                        "(default: 32)")
+    g.add_argument("--cuda-graph-max-context", type=int, default=4096,
+                   help="longest decode context replayed as a CUDA graph; graphs for every "
+                        "context bucket (powers of two from 256) up to it are captured at "
+                        "start-up, longer contexts decode eagerly (default: 4096)")
+    g.add_argument("--wmax", type=float, default=0.0,
+                   help="W_max of the selection plan (0: dense checkpoints)")
+    g.add_argument("--load-policy", choices=values(LoadPolicy), default=LoadPolicy.NR.value,
+                   help="on a hit: zero-fill omitted units (nr) or refresh them by replaying "
+                        "the last W_wr cached tokens (wr)")
+    g.add_argument("--placement", choices=values(Placement), default=Placement.OFF.value,
+                   help="TP-balanced placement of the stored units")
+    g.add_argument("--int8-checkpoints", action="store_true", help="INT8 checkpoint payload")
+    g.add_argument("--selection", choices=values(Selection), default=Selection.DASC.value,
+                   help="decay-aware selection, or the count-matched random control")
+    g.add_argument("--mask-seed", type=int, default=1234, help="seed of --selection random")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--state-budget-bytes", type=int, default=None,
+                      help="checkpoint memory per rank; slots = floor(B / worst-rank bytes per "
+                           "slot) - 1 (paper eq. 8) (default: --checkpoint-slots)")
+    size.add_argument("--checkpoint-slots", type=int, default=None,
+                      help="number of checkpoint slots (default: 64)")
+
+
+def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
+    """``ServeConfig.scheduling``."""
+    g = p.add_argument_group("scheduling and prefix cache")
+    g.add_argument("--max-total-tokens", type=int, default=65536,
+                   help="KV pool size in tokens (page size 1)")
+    g.add_argument("--max-running-requests", type=int, default=16,
+                   help="requests decoded together (active state slots)")
+    g.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="new tokens per step, decodes included (default: 2048, or derived "
+                        "with --step-target-ms)")
+    g.add_argument("--step-target-ms", type=float, default=None,
+                   help="derive --chunked-prefill-size from the prefill rate the ranks measure "
+                        "at start-up: the tokens a step prefills in this time (64 to 8192), so "
+                        "decodes never wait behind a whole long prompt (default: off)")
+    g.add_argument("--checkpoint-interval", type=int, default=256,
+                   help="store a checkpoint every N prompt tokens (0: at the prompt end only)")
+    g.add_argument("--schedule-policy", choices=POLICIES, default=POLICY.name,
+                   help="which prefill a step takes first: fcfs (arrival order) or lpm (shortest "
+                        "remaining prefill after the cached prefix first, so hits do not wait "
+                        "behind misses)")
+    g.add_argument("--schedule-max-passes", type=int, default=POLICY.max_passes,
+                   help="lpm's fairness bound: a request overtaken by this many later arrivals "
+                        "goes first")
+    g.add_argument("--prefill-mix-ratio", type=float, default=POLICY.mix_ratio,
+                   help="lpm: a step holding prefill chunks defers a chunk more than this many "
+                        "times longer than its longest one to the next step (0: never defer)")
+    g.add_argument("--decode-interleave", type=int, default=POLICY.decode_steps, metavar="N",
+                   help="while requests decode, a step carries prefill only after N "
+                        "decode-only steps, so a decode waits behind one prefill step in N + 1 "
+                        "at most, and a prompt waits N decode steps at most (0: every step may "
+                        "carry prefill)")
+    g.add_argument("--checkpoint-eviction", choices=CKPT_EVICTIONS,
+                   default=DEFAULT_CKPT_EVICTION,
+                   help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
+                        "(recency plus the prefill a hit there saves over its nearest cached "
+                        "ancestor)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
+    g.add_argument("--no-cache-finished", action="store_true",
+                   help="do not cache prompt + output when a request finishes")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.api_key is None:  # read here, so that --help never prints the key
+        args.api_key = os.environ.get("DASC_API_KEY")
+    return args
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The part of the flags that every process runs from."""
+    a = args
+    return ServeConfig(
+        model=a.model,
+        ranks=RankConfig(a.dtype, a.device, a.cpu_fp32_weights, a.cpu_packed_weights == "on",
+                         not a.disable_cuda_graph, a.cuda_graph_max_bs,
+                         a.cuda_graph_max_context, a.state_budget_bytes, a.checkpoint_slots),
+        scheduling=SchedulingConfig(
+            a.max_total_tokens, a.max_running_requests, a.chunked_prefill_size,
+            a.step_target_ms, a.checkpoint_interval, a.schedule_policy, a.schedule_max_passes,
+            a.prefill_mix_ratio, a.decode_interleave, a.checkpoint_eviction,
+            prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished),
+        checkpoints=CheckpointSpec(a.wmax, Selection(a.selection), a.mask_seed,
+                                   Payload.INT8 if a.int8_checkpoints else Payload.FP32,
+                                   Placement(a.placement), LoadPolicy(a.load_policy)))
+
+
+def validate(args: argparse.Namespace) -> None:
+    """What can be checked before any process starts; raises with a one-line message."""
+    from model_runner.config import ModelConfig
+    from model_runner.loader import check_tp, check_weight_files
+
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1 (got {args.tp})")
+    model_dir = Path(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    check_tp(cfg, args.tp, str(model_dir / "config.json"))
+    check_weight_files(model_dir)
+    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
+                 "cuda_graph_max_bs", "cuda_graph_max_context", "step_target_ms"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("checkpoint_interval", "wmax", "schedule_max_passes", "prefill_mix_ratio",
+                 "decode_interleave"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
+    for flag, port in (("--port", args.port), ("--master-port", args.master_port)):
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{flag} must lie in [1, 65535] (got {port})")
+    check_device(args)
+    if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
+        raise ValueError("--checkpoint-slots must be at least 1")
+    if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
+                         f"--node-rank must lie in [0, {args.nnodes})")
+
+
+def check_device(args: argparse.Namespace) -> None:
+    if args.device == "cpu":
+        return
+    if args.device != "cuda":
+        raise ValueError(f"--device must be cpu or cuda (got {args.device!r})")
+    import torch
+
+    need, have = args.tp // args.nnodes, torch.cuda.device_count()
+    if have < need:
+        raise ValueError(f"--device cuda needs {need} CUDA device(s) on this node, "
+                         f"{have} visible")
