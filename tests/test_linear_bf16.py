@@ -111,7 +111,7 @@ def test_emulated_bf16_decode_attention_rounds_like_bf16(emulated, monkeypatch):
 
 
 @needs_onednn
-def test_one_row_of_a_transposed_bf16_weight_takes_the_packed_gemm(emulated):
+def test_one_row_of_a_transposed_weight_takes_the_packed_gemm(emulated):
     w_t = big_weight(torch.bfloat16).t().contiguous().t()  # an expert's [out, in] view
     packed = linear_mod.pack_weight(w_t)
     x = torch.randn(1, w_t.shape[1], generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -119,3 +119,6 @@ def test_one_row_of_a_transposed_bf16_weight_takes_the_packed_gemm(emulated):
     assert torch.equal(out, linear_mod.packed_linear(x, packed))
     w = w_t.contiguous()  # a contiguous bf16 weight keeps the bf16 GEMV at one row
     assert torch.equal(linear_mod.linear(x, w, linear_mod.pack_weight(w)), F.linear(x, w))
+    w32 = w_t.float()  # fp32 too; the packed layout is accurate at one row
+    out = linear_mod.linear(x.float(), w32, linear_mod.pack_weight(w32))
+    assert torch.allclose(out, F.linear(x.float(), w32), rtol=1e-5, atol=1e-5)
