@@ -6,7 +6,8 @@
 
 Rank 0 prints one JSON line for the machine (torch's CPU capability, whether the CPU has native
 bf16 dot products), then one per measurement (median of --repeats).  ``--profile N`` adds the
-torch profiler's top N operators by self time over one more prefill.  Real-shape models come
+torch profiler's top N operators by self time over one more prefill (with ``--mixed-chunks``,
+over one more step of the first mixed chunk instead).  Real-shape models come
 from ``bench/real_shape_models.py``.
 """
 
@@ -45,7 +46,8 @@ def main() -> None:
                    help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
                         "of another sequence, as a serving step that mixes them")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="print the top N operators of one prefill (torch profiler)")
+                   help="print the top N operators of one prefill, or of one step of the "
+                        "first --mixed-chunks size (torch profiler)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode through model_runner.cuda_graph: replayed CUDA graphs on cuda, "
                         "the same fixed-shape step eagerly on cpu")
@@ -89,7 +91,7 @@ def main() -> None:
            seconds=statistics.median(times),
            tokens_per_s=args.prompt_len / statistics.median(times))
 
-    if args.profile and tp.is_first:
+    if args.profile and tp.is_first and not args.mixed_chunks:
         from torch.profiler import profile
 
         with profile() as prof:
@@ -125,6 +127,13 @@ def main() -> None:
             steps.append(time.perf_counter() - start)
         report(tp, kind="mixed", tp_size=tp.size, device=str(device), chunk=chunk,
                step_ms=1000 * statistics.median(steps))
+        if args.profile and tp.is_first and chunk == args.mixed_chunks[0]:
+            from torch.profiler import profile
+
+            with profile() as prof:
+                runner.forward([decode, SeqInput(prompt[:chunk], 0, tables[1], 2)])
+            print(prof.key_averages().table(sort_by="self_cpu_time_total",
+                                            row_limit=args.profile), flush=True)
     shutdown_tp_group(tp)
 
 
