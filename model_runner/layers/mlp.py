@@ -32,18 +32,61 @@ def _intermediate_index(size: int, tp: TPGroup, field: str) -> torch.Tensor:
 
 
 # The fixed-shape MoE takes the gathered form (only the routed experts' weights are read) while
-# pairs (tokens * top_k) <= GATHERED_PAIRS_PER_EXPERT * experts, else the all-experts form (each
-# expert read once, but computed for every token).  CPU, measured on 64 experts of [1024 x 512]
-# top-2 (bench/moe_forms.py, docs/results/runner.md): gathered is faster at every size tried,
-# up to 512 pairs (8 per expert), by 2-18x.  CUDA: not measured; the all-experts form reads E
-# experts, the gathered one `pairs` of them, so 1 by bytes, halved for embedding_bag's bandwidth.
+# pairs (tokens * top_k) <= GATHERED_PAIRS_PER_EXPERT * experts, else the grouped form where it
+# runs (``grouped_mm_runs``), else the all-experts form (each expert read once, but computed
+# for every token).  CPU, measured on 64 experts of [1024 x 512] top-2 (bench/moe_forms.py,
+# docs/results/runner.md): gathered is faster than all-experts at every size tried, up to 512
+# pairs (8 per expert), by 2-18x.  CUDA: not measured; the all-experts form reads E experts,
+# the gathered one `pairs` of them, so 1 by bytes, halved for embedding_bag's bandwidth.
 GATHERED_PAIRS_PER_EXPERT = {"cpu": 8.0, "cuda": 0.5}
+# Eager steps take the grouped form from GROUPED_PAIRS_PER_EXPERT * experts pairs on, where it
+# runs, else the routed form.  CPU: the routed form (to be measured).  CUDA: unmeasured; by
+# construction (one grouped GEMM per projection and no host sync, against a GEMM pair per used
+# expert after a sync).
+GROUPED_PAIRS_PER_EXPERT = {"cpu": float("inf"), "cuda": 0.0}
 
 
 def uses_gathered_experts(num_tokens: int, cfg: ModelConfig, device_type: str = "cpu") -> bool:
     """Whether a fixed-shape step of ``num_tokens`` takes the gathered-experts form."""
     limit = GATHERED_PAIRS_PER_EXPERT.get(device_type, GATHERED_PAIRS_PER_EXPERT["cuda"])
     return num_tokens * cfg.num_experts_per_tok <= limit * cfg.num_experts
+
+
+def expert_form(num_tokens: int, cfg: ModelConfig, device_type: str, is_static: bool,
+                can_group: bool) -> str:
+    """The ``SparseMoE`` form (``_{form}_experts``) of a step of ``num_tokens``: fixed-shape
+    steps gathered, then grouped (or all experts where the grouped GEMM cannot run); eager
+    steps grouped from ``GROUPED_PAIRS_PER_EXPERT``, else routed."""
+    if is_static and uses_gathered_experts(num_tokens, cfg, device_type):
+        return "gathered"
+    limit = GROUPED_PAIRS_PER_EXPERT.get(device_type, GROUPED_PAIRS_PER_EXPERT["cuda"])
+    if can_group and (is_static or num_tokens * cfg.num_experts_per_tok >= limit * cfg.num_experts):
+        return "grouped"
+    return "all" if is_static else "routed"
+
+
+def grouped_mm_runs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs the grouped form's GEMMs here with no host sync (read
+    from torch's sources, aten/src/ATen/native/GroupedMMUtils.h and cuda/GroupedBlas.cpp):
+    - operands of one dtype (x is cast to the weights' dtype, as ``linear`` does), every row
+      stride a multiple of 16 bytes (hidden, 2I and I here; checked on every device);
+    - CPU: fp32 or bf16 (torch loops over the groups, one ``mm`` each, on the host anyway);
+    - CUDA: bf16 on compute capability 9.x or 10.x only, the CUTLASS grouped GEMM reading the
+      group ends on the device.  Any other CUDA dtype or device takes torch's fallback, which
+      copies the offsets to the host (a sync, not capturable in a graph); ROCm is not claimed.
+    Not run on a GPU here."""
+    dtype = w13.dtype
+    if not hasattr(torch, "_grouped_mm") or w2.dtype != dtype:
+        return False
+    if x.device.type == "cpu":
+        fits = dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda" and torch.version.hip is None:
+        fits = (x.dtype == dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
+    else:
+        return False
+    align = 16 // dtype.itemsize
+    return fits and all(n % align == 0 for n in (*w13.shape[1:], w2.shape[1]))
 
 
 class DenseMLP(nn.Module):
@@ -143,16 +186,14 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:  # x: [N, hidden]
         """``is_static``: a graph-safe form for fixed-shape decode (fixed shapes, no host sync):
         each token gathers its routed experts' weights while few tokens route
-        (``uses_gathered_experts``), else every expert runs on every token; otherwise only the
-        routed tokens go through each used expert, grouped by a host-side sort."""
+        (``uses_gathered_experts``), else one grouped GEMM per projection (every expert on
+        every token where that cannot run); otherwise the routed form (grouped by a host-side
+        sort) or the grouped one, as ``expert_form`` chooses."""
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
-        if not is_static:
-            self._routed_experts(x, weights, ids, out)
-        elif uses_gathered_experts(x.shape[0], self.cfg, x.device.type):
-            self._gathered_experts(x, weights, ids, out)
-        else:
-            self._all_experts(x, weights, ids, out)
+        form = expert_form(x.shape[0], self.cfg, x.device.type, is_static,
+                           grouped_mm_runs(x, self.w13, self.w2))
+        getattr(self, f"_{form}_experts")(x, weights, ids, out)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -191,6 +232,22 @@ class SparseMoE(nn.Module):
                                   packed_gate_up).chunk(2, dim=-1)
                 h[rows] = linear(F.silu(gate) * up, self.down(expert), packed_down)
                 start += count
+        out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
+
+    def _grouped_experts(self, x, weights, ids, out) -> None:
+        """The routed form with fixed shapes and no host sync (``grouped_mm_runs`` must hold):
+        the pairs sorted by expert on the device, one gather, each expert's row end in the
+        sorted batch by ``searchsorted``, one grouped GEMM per projection over all experts
+        (``torch._grouped_mm``; empty groups cost nothing), one weighted scatter-add back.
+        Rounded to x's dtype where ``linear`` rounds, so it equals the routed form."""
+        num_experts, dtype = self.cfg.num_experts, self.w13.dtype
+        expert, order = ids.reshape(-1).sort(stable=True)  # [N * k] pairs by expert
+        experts = torch.arange(num_experts, device=x.device, dtype=expert.dtype)
+        ends = torch.searchsorted(expert, experts, right=True, out_int32=True)  # [E]
+        token = order // ids.shape[1]
+        gathered = x[token].to(dtype)  # [N * k, hidden], rows [ends[e-1], ends[e]) expert e
+        gate, up = torch._grouped_mm(gathered, self.w13, offs=ends).to(x.dtype).chunk(2, dim=-1)
+        h = torch._grouped_mm((F.silu(gate) * up).to(dtype), self.w2, offs=ends).to(x.dtype)
         out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
 
     def _gathered_experts(self, x, weights, ids, out) -> None:
