@@ -128,10 +128,12 @@ def test_host_read_finds_host_syncs():
     assert host_read(lambda t: counts.scatter_add(0, t, torch.ones_like(t)), ids) is None
 
 
-def test_grouped_form_has_no_host_sync():
-    """No op of the grouped form reads tensor data on the host (in bf16, the CUDA fast path's
-    dtype and the only one torch's meta kernel for ``_grouped_mm`` accepts); the routed form,
-    which takes its per-expert counts to the host, does."""
+def test_grouped_form_has_no_host_sync(monkeypatch):
+    """No op of the grouped form reads tensor data on the host (in bf16 GEMMs, the CUDA fast
+    path's dtype and the only one torch's meta kernel for ``_grouped_mm`` accepts: the CPU's
+    upcast for emulated bf16 is off); the routed form, which takes its per-expert counts to the
+    host, does."""
+    monkeypatch.setattr(mlp, "emulates_bf16", lambda t: False)
     layer = moe("gdn", 64, 2).to(torch.bfloat16)
     x = torch.randn(9, layer.cfg.hidden_size,
                     generator=torch.Generator().manual_seed(8)).bfloat16()
@@ -153,26 +155,32 @@ def test_grouped_mm_conditions():
     assert not grouped_mm_runs(x, layer.w13[:, :, :68].contiguous(), odd)
 
 
-def test_expert_form_choice(monkeypatch):
+def test_expert_form_choice():
+    """Fixed shapes: gathered to the limit, then grouped (all experts where it cannot run).
+    Eager: grouped on CUDA at every size; on CPU while pairs <= 2 per expert (64 tokens of 64
+    experts top-2, measured) unless the weights would be upcast; else routed."""
     cfg = moe("gdn", 64, 2).cfg
     for device in ("cpu", "cuda"):
-        limit = mlp.GATHERED_PAIRS_PER_EXPERT[device] * 64 / 2  # tokens
-        assert expert_form(int(limit), cfg, device, True, True) == "gathered"
-        assert expert_form(int(limit) + 1, cfg, device, True, True) == "grouped"
-        assert expert_form(int(limit) + 1, cfg, device, True, False) == "all"
+        limit = int(mlp.GATHERED_PAIRS_PER_EXPERT[device] * 64 / 2)  # tokens
+        assert expert_form(limit, cfg, device, True, True) == "gathered"
+        assert expert_form(limit + 1, cfg, device, True, True) == "grouped"
+        assert expert_form(limit + 1, cfg, device, True, True, upcasts=True) == "grouped"
+        assert expert_form(limit + 1, cfg, device, True, False) == "all"
     assert [expert_form(n, cfg, "cuda", False, True) for n in (1, 2048)] == ["grouped"] * 2
+    assert [expert_form(n, cfg, "cpu", False, True) for n in (1, 64, 65, 2048)] == \
+        ["grouped", "grouped", "routed", "routed"]
+    assert expert_form(1, cfg, "cpu", False, True, upcasts=True) == "routed"
     assert [expert_form(n, cfg, d, False, False) for n in (1, 2048)
             for d in ("cpu", "cuda")] == ["routed"] * 4
-    monkeypatch.setitem(mlp.GROUPED_PAIRS_PER_EXPERT, "cpu", 2.0)  # from 64 tokens
-    assert [expert_form(n, cfg, "cpu", False, True) for n in (63, 64)] == ["routed", "grouped"]
 
 
 def test_static_layer_takes_grouped_form_past_gathered_limit(monkeypatch):
     """With the gathered form capped, a fixed-shape step takes the grouped form: unrouted
     experts set to NaN leave it finite (the all-experts form would read them) and it equals
-    the eager step."""
+    the eager step in the routed form."""
     layer = moe("gdn", 64, 2)
     x = torch.randn(5, layer.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    monkeypatch.setitem(mlp.GROUPED_PAIRS_PER_EXPERT, "cpu", 0.0)  # eager: routed
     eager = layer(x)
     monkeypatch.setitem(mlp.GATHERED_PAIRS_PER_EXPERT, "cpu", 0.1)
     _, ids = layer.route(x)

@@ -17,6 +17,7 @@ from model_runner.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     attach_loader,
+    emulates_bf16,
     linear,
     new_param,
     pack_weight,
@@ -39,11 +40,12 @@ def _intermediate_index(size: int, tp: TPGroup, field: str) -> torch.Tensor:
 # pairs (8 per expert), by 2-18x.  CUDA: not measured; the all-experts form reads E experts,
 # the gathered one `pairs` of them, so 1 by bytes, halved for embedding_bag's bandwidth.
 GATHERED_PAIRS_PER_EXPERT = {"cpu": 8.0, "cuda": 0.5}
-# Eager steps take the grouped form from GROUPED_PAIRS_PER_EXPERT * experts pairs on, where it
-# runs, else the routed form.  CPU: the routed form (to be measured).  CUDA: unmeasured; by
-# construction (one grouped GEMM per projection and no host sync, against a GEMM pair per used
-# expert after a sync).
-GROUPED_PAIRS_PER_EXPERT = {"cpu": float("inf"), "cuda": 0.0}
+# Eager steps take the grouped form while pairs <= GROUPED_PAIRS_PER_EXPERT * experts, where it
+# runs on the weights as held (``emulates_bf16`` weights are upcast whole on every call), else
+# the routed form.  CPU: measured (docs/results/step-cost.md, pending).  CUDA: unmeasured; by
+# construction at every size (one grouped GEMM per projection and no host sync, against a GEMM
+# pair per used expert after a sync).
+GROUPED_PAIRS_PER_EXPERT = {"cpu": 2.0, "cuda": float("inf")}
 
 
 def uses_gathered_experts(num_tokens: int, cfg: ModelConfig, device_type: str = "cpu") -> bool:
@@ -53,16 +55,19 @@ def uses_gathered_experts(num_tokens: int, cfg: ModelConfig, device_type: str = 
 
 
 def expert_form(num_tokens: int, cfg: ModelConfig, device_type: str, is_static: bool,
-                can_group: bool) -> str:
+                can_group: bool, upcasts: bool = False) -> str:
     """The ``SparseMoE`` form (``_{form}_experts``) of a step of ``num_tokens``: fixed-shape
-    steps gathered, then grouped (or all experts where the grouped GEMM cannot run); eager
-    steps grouped from ``GROUPED_PAIRS_PER_EXPERT``, else routed."""
-    if is_static and uses_gathered_experts(num_tokens, cfg, device_type):
-        return "gathered"
+    steps gathered, then grouped where ``can_group`` (``grouped_mm_runs``), else all experts;
+    eager steps grouped while ``GROUPED_PAIRS_PER_EXPERT`` allows and the grouped GEMMs need
+    no upcast of the weights, else routed."""
+    if is_static:
+        if uses_gathered_experts(num_tokens, cfg, device_type):
+            return "gathered"
+        return "grouped" if can_group else "all"
     limit = GROUPED_PAIRS_PER_EXPERT.get(device_type, GROUPED_PAIRS_PER_EXPERT["cuda"])
-    if can_group and (is_static or num_tokens * cfg.num_experts_per_tok >= limit * cfg.num_experts):
-        return "grouped"
-    return "all" if is_static else "routed"
+    pairs = num_tokens * cfg.num_experts_per_tok
+    return "grouped" if can_group and not upcasts and pairs <= limit * cfg.num_experts \
+        else "routed"
 
 
 def grouped_mm_runs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -192,7 +197,7 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
         form = expert_form(x.shape[0], self.cfg, x.device.type, is_static,
-                           grouped_mm_runs(x, self.w13, self.w2))
+                           grouped_mm_runs(x, self.w13, self.w2), emulates_bf16(self.w13))
         getattr(self, f"_{form}_experts")(x, weights, ids, out)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
@@ -240,14 +245,17 @@ class SparseMoE(nn.Module):
         sorted batch by ``searchsorted``, one grouped GEMM per projection over all experts
         (``torch._grouped_mm``; empty groups cost nothing), one weighted scatter-add back.
         Rounded to x's dtype where ``linear`` rounds, so it equals the routed form."""
-        num_experts, dtype = self.cfg.num_experts, self.w13.dtype
+        num_experts, w13, w2 = self.cfg.num_experts, self.w13, self.w2
+        if emulates_bf16(w13):  # as ``linear`` does for a transposed bf16 weight: fp32 GEMMs
+            w13, w2 = w13.float(), w2.float()  # (an emulated bf16 one is 10-70x slower here)
+        dtype = w13.dtype
         expert, order = ids.reshape(-1).sort(stable=True)  # [N * k] pairs by expert
         experts = torch.arange(num_experts, device=x.device, dtype=expert.dtype)
         ends = torch.searchsorted(expert, experts, right=True, out_int32=True)  # [E]
         token = order // ids.shape[1]
         gathered = x[token].to(dtype)  # [N * k, hidden], rows [ends[e-1], ends[e]) expert e
-        gate, up = torch._grouped_mm(gathered, self.w13, offs=ends).to(x.dtype).chunk(2, dim=-1)
-        h = torch._grouped_mm((F.silu(gate) * up).to(dtype), self.w2, offs=ends).to(x.dtype)
+        gate, up = torch._grouped_mm(gathered, w13, offs=ends).to(x.dtype).chunk(2, dim=-1)
+        h = torch._grouped_mm((F.silu(gate) * up).to(dtype), w2, offs=ends).to(x.dtype)
         out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
 
     def _gathered_experts(self, x, weights, ids, out) -> None:
