@@ -51,7 +51,7 @@ def simulate(requests: list[Request], slots: int, eviction: str, concurrency: in
                 in_flight.discard(int(out.rid))
                 done.add(int(out.rid))
     s.check_integrity()
-    return s.stats["cached_tokens"] / s.stats["prompt_tokens"]
+    return s.stats.cached_tokens / s.stats.prompt_tokens
 
 
 def workloads(args: argparse.Namespace) -> dict[str, tuple[list[Request], int, bool]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from enum import StrEnum
 from pathlib import Path
 
@@ -114,6 +115,10 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                            "slot) - 1 (paper eq. 8) (default: --checkpoint-slots)")
     size.add_argument("--checkpoint-slots", type=int, default=None,
                       help="number of checkpoint slots (default: 64)")
+    g.add_argument("--target-slots", type=int, default=None, metavar="N",
+                   help="with --state-budget-bytes: choose W_max as the smallest whose "
+                        "worst-rank slot fits N slots in that budget (dasc-plan --target-slots; "
+                        "prints the capacity and the omitted fraction) (default: off, --wmax)")
 
 
 def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
@@ -207,9 +212,36 @@ def validate(args: argparse.Namespace) -> None:
     check_device(args)
     if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
         raise ValueError("--checkpoint-slots must be at least 1")
+    if args.target_slots is not None:
+        args.wmax = choose_w_max(args)
     if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
                          f"--node-rank must lie in [0, {args.nnodes})")
+
+
+def choose_w_max(args: argparse.Namespace) -> float:
+    """--target-slots: the W_max that ``validate`` writes into ``args.wmax``."""
+    from model_runner.compression.horizons import static_horizons
+    from model_runner.compression.plan import ModelIdentity
+    from model_runner.compression.target import plan_for_slots
+    from model_runner.compression.weights import load_decay_params
+    from model_runner.config import ModelConfig
+
+    if args.state_budget_bytes is None:
+        raise ValueError("--target-slots needs --state-budget-bytes, the budget the slots share")
+    if args.wmax != 0 or args.selection != Selection.DASC.value:
+        raise ValueError("--target-slots chooses W_max for dasc's selection: drop --wmax and "
+                         "--selection")
+    cfg = ModelConfig.from_dir(args.model)
+    params = load_decay_params(args.model, cfg)
+    fit = plan_for_slots(ModelIdentity.of(cfg, params), static_horizons(cfg, params), cfg,
+                         args.tp, args.target_slots, args.state_budget_bytes,
+                         int8=args.int8_checkpoints, placement=args.placement)
+    print(f"dasc-serve: --target-slots {args.target_slots}: W_max {fit.plan.w_max:.9g}, "
+          f"{fit.slots} slots of {fit.report.placements[0].slot_bytes:,} bytes per rank, "
+          f"{fit.capacity:.2f}x the dense slots, {fit.omitted_fraction:.1%} of units omitted",
+          file=sys.stderr, flush=True)
+    return fit.plan.w_max
 
 
 def check_device(args: argparse.Namespace) -> None:

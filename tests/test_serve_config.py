@@ -18,7 +18,7 @@ import pytest
 from serving import KIMI
 
 from dasc_server.engine_client import EngineClient
-from dasc_server.flags import build_parser, parse_args, serve_config
+from dasc_server.flags import build_parser, parse_args, serve_config, validate
 from scheduler import ipc
 from scheduler.__main__ import SchedulerProcess
 from scheduler.messages import (
@@ -42,7 +42,8 @@ from scheduler.serve_config import LoadPolicy, Payload, ServeConfig
 LAUNCHER_ONLY = {"--served-model-name", "--tp", "--host", "--port", "--startup-timeout",
                  "--shutdown-timeout", "--api-key", "--max-request-bytes",
                  "--max-queued-requests", "--nnodes", "--node-rank", "--master-addr",
-                 "--master-port"}
+                 "--master-port",
+                 "--target-slots"}  # resolved into --wmax by validate(): tested below
 RANK = RankInfo("kimi_linear", 1, 264, 258, 8192, 8, 1000, 4000, 0)
 
 
@@ -245,3 +246,31 @@ def test_the_front_end_splits_a_batch_into_its_requests(monkeypatch):
     assert [o.token_ids for o in got["r0"]] == [[5], [6]] and got["r0"][0].top_ids == [[5, 6]]
     assert [(o.token_ids, o.finish_reason) for o in got["r1"]] == [([7], None), ([8], "stop")]
     assert set(got) == {"r0", "r1"} and engine.num_active == 0
+
+
+def test_target_slots_choose_w_max_before_anything_starts(capsys):
+    from model_runner.compression.accounting import dense_budget
+    from model_runner.compression.horizons import static_horizons
+    from model_runner.compression.plan import ModelIdentity, PlanError
+    from model_runner.compression.target import plan_for_slots
+    from model_runner.compression.weights import load_decay_params
+    from model_runner.config import ModelConfig
+
+    model = ModelConfig.from_dir(KIMI)
+    budget = dense_budget(model, 1, 32)
+    params = load_decay_params(KIMI, model)
+    want = plan_for_slots(ModelIdentity.of(model, params), static_horizons(model, params),
+                          model, 1, 48, budget)
+    assert want.plan.w_max > 0
+    args = parse_args(["--target-slots", "48", "--state-budget-bytes", str(budget)])
+    validate(args)
+    cfg = serve_config(args)
+    assert cfg.checkpoints.w_max == want.plan.w_max and cfg.ranks.state_budget_bytes == budget
+    assert f"W_max {want.plan.w_max:.9g}, {want.slots} slots" in capsys.readouterr().err
+    for argv, message in ((["--target-slots", "48"], "needs --state-budget-bytes"),
+                          (["--target-slots", "48", "--state-budget-bytes", str(budget),
+                            "--wmax", "16"], "drop --wmax"),
+                          (["--target-slots", "100000", "--state-budget-bytes", str(budget)],
+                           "do not fit")):
+        with pytest.raises((ValueError, PlanError), match=message):
+            validate(parse_args(argv))
