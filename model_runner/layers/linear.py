@@ -57,8 +57,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The fp32 oneDNN-packed copy of an [out, in] CPU weight, or None where packing does not
     pay (small weights, non-CPU tensors, a torch without oneDNN).  A transposed weight (a
     routed expert's view of its input-major storage) is packed for one row, the layout that
-    runs decode's one row per expert fastest (1.1 vs 2.2-3.0 ms on [2048, 2304]; 1.1-1.4x
-    slower than the default layout at 2-4 rows, even from 16); a contiguous one for many rows:
+    runs decode's one row per expert fastest (1.1 vs 2.2-3.0 ms on [2048, 2304]), at 1.1-1.4x
+    the default layout's cost for 2-4 rows; a contiguous one is packed for many rows, since
     its one row keeps torch's GEMV."""
     if (not _HAS_ONEDNN or weight.device.type != "cpu" or weight.dim() != 2
             or weight.numel() < PACK_MIN_ELEMENTS):
@@ -105,10 +105,11 @@ def should_hold_fp32(dtype: torch.dtype, device: torch.device) -> bool:
 def hold_fp32(model: nn.Module) -> int:
     """Convert the bf16 GEMM weights (the parameters each module lists in ``GEMM_WEIGHTS``)
     to fp32 in place, exactly (every bf16 value is an fp32 value); returns the bytes added.
-    Activations, KV and states stay bf16, and every GEMM is then one fp32 GEMM rounded once,
-    the numerics ``linear`` already gives prefill chunks, without upcasting the weights on
-    every step that holds one: a decode sharing a step with a 16-token chunk otherwise pays
-    the upcast of every weight it reads.  Costs 2x the weight memory."""
+    Modules that ``pack_gemms`` gave packed copies keep their bf16 weights, so with packing on
+    this holds only the small GEMM weights (all of them with ``--cpu-packed-weights off``).
+    Activations, KV and states stay bf16; each GEMM is one fp32 GEMM rounded once, the
+    numerics ``linear`` gives prefill chunks, with no per-call upcast.  Costs 2x the memory
+    of the weights it holds."""
     added = 0
     for module in model.modules():
         if getattr(module, "packed", None) is not None or getattr(module, "packed_experts", None):
