@@ -17,8 +17,9 @@ def emulated_bf16_note(device: str, dtype: str, fp32_weights: str = "auto") -> s
     if device != "cpu" or dtype != "bfloat16" or cpu_has_native_bf16():
         return None
     if fp32_weights != "off":
-        return ("note: bfloat16 is emulated on this CPU (no AVX512-BF16, no AMX): the GEMM "
-                "weights are held in fp32 (twice their bf16 memory; --cpu-fp32-weights off "
-                "keeps bf16 at several times the prefill cost)")
+        return ("note: bfloat16 is emulated on this CPU (no AVX512-BF16, no AMX): GEMMs run "
+                "in fp32 on packed fp32 copies of the large weights (--cpu-packed-weights) and "
+                "the small weights held in fp32 (--cpu-fp32-weights), at up to 2x the bf16 "
+                "weights' memory on top")
     return ("note: bfloat16 is emulated on this CPU (no AVX512-BF16, no AMX): its GEMMs run "
             "several times slower than float32 here; --dtype float32 is faster on this machine")

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import threading
+from multiprocessing.connection import Connection
+
 from dasc_server.spawn import ROOT, Server, running_server
+from scheduler import ipc
 
 ASSETS = ROOT / "model_runner" / "assets"
 KIMI, QWEN = ASSETS / "kimi-linear-tiny", ASSETS / "qwen3-next-tiny"
 
-__all__ = ["KIMI", "QWEN", "Server", "running_server"]
+__all__ = ["KIMI", "QWEN", "Server", "ipc_pair", "running_server"]
+
+
+def ipc_pair(monkeypatch) -> tuple[Connection, Connection]:
+    """Two ends of one real authenticated IPC connection on a free port: (client, server)."""
+    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
+    port = ipc.free_port()
+    listener = ipc.listen(port)
+    accepted: list = []
+    acceptor = threading.Thread(target=lambda: accepted.append(ipc.accept(listener)))
+    acceptor.start()
+    conn = ipc.connect(port)
+    acceptor.join(10)
+    listener.close()
+    return conn, accepted[0]

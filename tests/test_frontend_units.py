@@ -322,19 +322,12 @@ def test_sends_to_a_scheduler_that_does_not_read_never_block_the_event_loop(monk
     import threading
     import time
 
+    from serving import ipc_pair
+
     from dasc_server.engine_client import EngineClient
-    from scheduler import ipc
     from scheduler.messages import SamplingParams
 
-    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
-    port = ipc.free_port()
-    listener = ipc.listen(port)
-    accepted: list = []
-    acceptor = threading.Thread(target=lambda: accepted.append(ipc.accept(listener)))
-    acceptor.start()
-    conn = ipc.connect(port)
-    acceptor.join(10)
-    scheduler_end = accepted[0]  # never read from
+    conn, scheduler_end = ipc_pair(monkeypatch)  # never read from
     engine = EngineClient(conn, info=None)
     lags: list[float] = []
 
@@ -360,7 +353,6 @@ def test_sends_to_a_scheduler_that_does_not_read_never_block_the_event_loop(monk
         if t.name == "engine-writer":
             t.join(10)
     conn.close()
-    listener.close()
     assert not blocked, "the event loop blocked writing to the scheduler"
     assert len(lags) == 20 and sorted(lags)[10] < 0.1
 

@@ -55,17 +55,18 @@ def test_forms_agree(arch, num_tokens):
                                atol=1e-6 * ref.abs().max().item())
 
 
-def test_gathered_form_reads_only_routed_experts():
+@pytest.mark.parametrize("form, tokens", [("gathered", 4), ("grouped", 6)])
+def test_fixed_shape_forms_read_only_routed_experts(form, tokens):
     layer = moe("gdn", 64, 2)
-    x = torch.randn(4, layer.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-    ref = run(layer, "gathered", x)
+    x = torch.randn(tokens, layer.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    ref = run(layer, form, x)
     _, ids = layer.route(x)
     unrouted = torch.ones(64, dtype=torch.bool)
     unrouted[ids.reshape(-1)] = False
-    assert unrouted.sum() >= 56
+    assert unrouted.sum() >= 64 - 2 * tokens
     layer.w13.data[unrouted] = float("nan")  # any read of these would poison the output
     layer.w2.data[unrouted] = float("nan")
-    assert torch.equal(run(layer, "gathered", x), ref)
+    assert torch.equal(run(layer, form, x), ref)
     assert run(layer, "all", x).isnan().all()  # the dense form reads every expert
 
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 from multiprocessing import Pipe
 
 import pytest
-from serving import KIMI
+from serving import KIMI, ipc_pair
 
 from dasc_server.engine_client import EngineClient
 from dasc_server.flags import build_parser, parse_args, serve_config, validate
@@ -204,15 +204,7 @@ def test_the_scheduler_sends_one_token_batch_per_step():
 
 
 def test_the_front_end_splits_a_batch_into_its_requests(monkeypatch):
-    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
-    port = ipc.free_port()
-    listener = ipc.listen(port)
-    accepted: list = []
-    acceptor = threading.Thread(target=lambda: accepted.append(ipc.accept(listener)))
-    acceptor.start()
-    conn = ipc.connect(port)
-    acceptor.join(10)
-    scheduler_end = accepted[0]
+    conn, scheduler_end = ipc_pair(monkeypatch)
     engine = EngineClient(conn, ServerInfo(serve_config(parse_args(["--model", str(KIMI)])),
                                            RANK, 2048))
 
@@ -242,7 +234,6 @@ def test_the_front_end_splits_a_batch_into_its_requests(monkeypatch):
     finally:
         scheduler_end.close()
         conn.close()
-        listener.close()
     assert [o.token_ids for o in got["r0"]] == [[5], [6]] and got["r0"][0].top_ids == [[5, 6]]
     assert [(o.token_ids, o.finish_reason) for o in got["r1"]] == [([7], None), ([8], "stop")]
     assert set(got) == {"r0", "r1"} and engine.num_active == 0
