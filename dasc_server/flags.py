@@ -15,6 +15,7 @@ from pathlib import Path
 from client.cli_help import DefaultsHelpFormatter
 from model_runner.config import DEFAULT_MODEL
 from model_runner.rank_args import FP32_WEIGHTS
+from scheduler.admission import CKPT_ADMISSIONS, DEFAULT_CKPT_ADMISSION
 from scheduler.policy import POLICIES, SchedulePolicy
 from scheduler.radix_cache import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
 from scheduler.serve_config import (
@@ -157,6 +158,11 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
                         "(recency plus the prefill a hit there saves over its nearest cached "
                         "ancestor)")
+    g.add_argument("--checkpoint-admission", choices=CKPT_ADMISSIONS,
+                   default=DEFAULT_CKPT_ADMISSION,
+                   help="where a prefill stores checkpoints: all (every --checkpoint-interval "
+                        "tokens and the prompt end) or reuse (the prompt end and the point where "
+                        "the prompt branches off a cached one; the interval plays no part)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
     g.add_argument("--no-cache-finished", action="store_true",
                    help="do not cache prompt + output when a request finishes")
@@ -181,6 +187,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             a.max_total_tokens, a.max_running_requests, a.chunked_prefill_size,
             a.step_target_ms, a.checkpoint_interval, a.schedule_policy, a.schedule_max_passes,
             a.prefill_mix_ratio, a.decode_interleave, a.checkpoint_eviction,
+            a.checkpoint_admission,
             prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished),
         checkpoints=CheckpointSpec(a.wmax, Selection(a.selection), a.mask_seed,
                                    Payload.INT8 if a.int8_checkpoints else Payload.FP32,

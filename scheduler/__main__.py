@@ -124,6 +124,7 @@ def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
         policy=SchedulePolicy(s.schedule_policy, s.schedule_max_passes, s.prefill_mix_ratio,
                               s.decode_interleave),
         ckpt_eviction=s.checkpoint_eviction,
+        ckpt_admission=s.checkpoint_admission,
     )
 
 

@@ -107,6 +107,21 @@ class RadixCache:
                 best = len(path)
         return path, best
 
+    def cached_len(self, tokens: list[int]) -> int:
+        """How many leading tokens of ``tokens`` the tree holds, a partial edge included: where
+        they would branch off it.  Touches neither LRU order."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            common = _common_prefix(child.key, tokens, pos)
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
     def ckpt_at(self, tokens: list[int]) -> int | None:
         """The checkpoint slot of the node ending exactly at len(tokens), if any."""
         node, pos = self.root, 0

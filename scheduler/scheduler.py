@@ -4,10 +4,8 @@ No I/O here: ``schedule()`` turns the queue into one ``BatchPlan`` and ``process
 the ranks' sampled tokens into the step's ``TokenOut``s (one ``TokenBatch`` frame), so the whole
 policy runs in tests without a model or a process.
 
-Checkpoint boundaries of a request (only where the tree has no checkpoint yet):
-    every multiple of ``checkpoint_interval`` inside the prompt, and prompt_len - 1: a hit must
-    leave one token to compute, so an exact repeat can only hit before its last token
-    (SGLang #21158); a prefill chunk always ends at the next such boundary.
+Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
+``--checkpoint-admission`` (scheduler/admission.py); a prefill chunk always ends at the next one.
 On finish the state after every processed token (prompt + output[:-1]) is cached too, so the
 next turn of a conversation hits.
 
@@ -22,6 +20,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, replace
 
+from scheduler.admission import DEFAULT_CKPT_ADMISSION, check_admission, store_points
 from scheduler.messages import (
     BatchPlan,
     Counters,
@@ -69,6 +68,7 @@ class SchedulerConfig:
     refresh_window: int = 0
     policy: SchedulePolicy = SchedulePolicy()  # which prefill a step takes first
     ckpt_eviction: str = DEFAULT_CKPT_EVICTION  # "reuse" | "lru" (RadixCache)
+    ckpt_admission: str = DEFAULT_CKPT_ADMISSION  # "all" | "reuse" (scheduler.admission)
 
     @property
     def scratch_slot_base(self) -> int:
@@ -88,6 +88,7 @@ def _is_real(x: object) -> bool:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
+        check_admission(cfg.ckpt_admission)
         self.cfg = cfg
         self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
                                 IndexPool(cfg.num_checkpoint_slots), cfg.ckpt_eviction)
@@ -304,9 +305,8 @@ class Scheduler:
     def _boundaries(self, r: Req) -> list[int]:
         if not self.cfg.prefix_cache:
             return []
-        n, every = len(r.prompt), self.cfg.checkpoint_interval
-        points = list(range(every, n - 1, every)) if every > 0 else []
-        return points + [n - 1] if n > 1 else points
+        cfg = self.cfg
+        return store_points(r.prompt, cfg.checkpoint_interval, cfg.ckpt_admission, self.cache)
 
     def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
         """Prefill up to ``budget`` tokens, ending at the next boundary that still needs a

@@ -103,6 +103,7 @@ class SchedulingConfig:
     prefill_mix_ratio: float
     decode_interleave: int
     checkpoint_eviction: str  # scheduler.radix_cache.CKPT_EVICTIONS
+    checkpoint_admission: str  # scheduler.admission.CKPT_ADMISSIONS
     prefix_cache: bool
     cache_finished: bool
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_radix_cache import prefix_hashes
 
+from scheduler.admission import MIN_BRANCH_GAIN
 from scheduler.messages import (
     BatchPlan,
     RowTables,
@@ -39,6 +40,15 @@ def boundaries(prompt_len: int, every: int) -> set[int]:
     """Where the policy may store a checkpoint while prefilling (written out independently)."""
     points = {k * every for k in range(1, prompt_len) if every and k * every < prompt_len - 1}
     return points | ({prompt_len - 1} if prompt_len > 1 else set())
+
+
+def may_store(s: Scheduler, prompt: list[int], end: int) -> bool:
+    """Whether the admission policy may store after prompt[:end] while prefilling.  Under
+    reuse the branch point was read from the tree before the step's later evictions, which
+    only remove checkpoints, so its gain over the deepest one above it can only have grown."""
+    if s.cfg.ckpt_admission == "all":
+        return end in boundaries(len(prompt), s.cfg.checkpoint_interval)
+    return end == len(prompt) - 1 or end - s.cache.match_len(prompt, end) >= MIN_BRANCH_GAIN
 
 
 def tree_ckpts(s: Scheduler) -> dict[int, tuple[list[int], Node]]:
@@ -155,7 +165,7 @@ class FakeRanks:
             assert active in seq_slots
             r = by_slot[active]
             end = r.computed + len(plan.seqs[seq_slots.index(active)].token_ids)
-            assert cfg.prefix_cache and end in boundaries(len(r.prompt), cfg.checkpoint_interval)
+            assert cfg.prefix_cache and may_store(s, r.prompt, end)
             assert s.cache.ckpt_at(r.prompt[:end]) is None
             self.ckpt[c] = self.active[active]
             self.num_stores += 1
@@ -305,6 +315,9 @@ CONFIGS = [
     # checkpoint eviction by value (scheduler/radix_cache.py, ckpt_eviction="reuse")
     dict(max_total_tokens=400, max_running_requests=5, num_checkpoint_slots=3,
          chunked_prefill_size=64, checkpoint_interval=16, ckpt_eviction="reuse"),
+    # checkpoint admission by likely reuse (scheduler/admission.py)
+    dict(max_total_tokens=400, max_running_requests=4, num_checkpoint_slots=6,
+         chunked_prefill_size=32, checkpoint_interval=8, ckpt_admission="reuse"),
 ]
 
 

@@ -1,0 +1,54 @@
+"""Where a prefilling request stores checkpoints (``--checkpoint-admission``).
+
+``all``    every multiple of ``checkpoint_interval`` inside the prompt, and prompt_len - 1.
+``reuse``  only where reuse is likely, after Marconi's admission for hybrid models:
+           - prompt_len - 1, the end of a turn (as in ``all``);
+           - the branch point: where the prompt leaves the tree, so the prefix up to it has
+             been reached by at least two requests (an earlier one's path is in the tree),
+             and the next request that shares it hits there.  Stored when a checkpoint there
+             saves at least ``MIN_BRANCH_GAIN`` tokens over the deepest one above it: a turn
+             that follows a finished turn branches one token past that turn's prompt-end
+             checkpoint, which already covers it.
+           A request that is the first to reach a prefix stores nothing inside it; its
+           prompt-end store puts its path into the tree for the next one to branch from.
+           ``checkpoint_interval`` plays no part: every multiple a second request has reached
+           lies at or above its branch point, whose checkpoint covers it (storing them too
+           measured lower: docs/results/serving.md, "Checkpoint admission").
+
+prompt_len - 1 rather than prompt_len: a hit must leave one token to compute, so an exact
+repeat can only hit before its last token (SGLang #21158).  Either policy keeps the checkpoint
+of a finished request (prompt + output[:-1], the other end of a turn; the scheduler stores it).
+The points are read from the tree when a chunk is planned, so they follow the tree as it
+changes; a prefill chunk ends at the next point that still lacks a checkpoint.
+"""
+
+from __future__ import annotations
+
+from scheduler.radix_cache import RadixCache
+
+CKPT_ADMISSIONS = ("all", "reuse")
+DEFAULT_CKPT_ADMISSION = "all"
+# A checkpoint saving fewer tokens is not worth a slot and the step its chunk split costs
+# (a judgement, not a measurement; eviction by value would drop such a slot first anyway).
+MIN_BRANCH_GAIN = 32
+
+
+def check_admission(admission: str) -> None:
+    if admission not in CKPT_ADMISSIONS:
+        raise ValueError(f"checkpoint admission must be one of {', '.join(CKPT_ADMISSIONS)}, "
+                         f"got {admission!r}")
+
+
+def store_points(prompt: list[int], interval: int, admission: str,
+                 cache: RadixCache) -> list[int]:
+    """Ascending prompt positions p in [1, len(prompt) - 1] whose state (after prompt[:p]) a
+    prefilling request stores, unless the tree already holds a checkpoint there."""
+    n = len(prompt)
+    last = [n - 1] if n > 1 else []
+    if admission == "all":
+        every = list(range(interval, n - 1, interval)) if interval > 0 else []
+        return every + last
+    branch = cache.cached_len(prompt)
+    if 0 < branch < n - 1 and branch - cache.match_len(prompt, branch) >= MIN_BRANCH_GAIN:
+        return [branch, *last]
+    return last
