@@ -10,10 +10,17 @@ A *static* decode batch (``kv_table`` set, built by ``model_runner.cuda_graph``)
 sequence, fixed shapes and only device tensors on its read path, so a CUDA graph can replay it;
 the host lists (``seq_lens``, ``prefix_lens``, ``cu_seqlens``, ``kv_read_index``) are then
 placeholders that no layer reads.
+
+A step may carry dasc-wr *replays* ahead of its sequences (``Refresh``): the batch's first
+``num_replays`` sequences replay windows of cached tokens from zeroed scratch slots over the
+read-only KV.  They write no KV and return no logits; in every linear layer their recurrence runs
+first and ``merge`` then copies the omitted units into the restored slots, so a hit's own tokens
+in the same step already read the refreshed state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +35,16 @@ class SeqInput:
 
 
 @dataclass(slots=True)
+class Refresh:
+    """dasc-wr replays for one step: ``seqs[i]`` replays a window of a hit's cached prefix into
+    its (scratch) ``state_slot``; ``merge(layer)`` copies, in linear layer ``layer``, the units
+    the plan omits from each scratch slot into the hit's slot."""
+
+    seqs: list[SeqInput]
+    merge: Callable[[int], None]
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
@@ -35,16 +52,24 @@ class ForwardBatch:
     prefix_lens: list[int]
     cu_seqlens: list[int]  # [B + 1]
     state_slots: torch.Tensor  # [B] int64
-    kv_write_index: torch.Tensor  # [N] flat KV-pool row of each new token
+    kv_write_index: torch.Tensor  # [N - replay_tokens] KV-pool row of each written token
     kv_read_index: list[torch.Tensor]  # per sequence: flat rows of positions [0, prefix + n)
-    is_decode: bool  # every sequence brings exactly one token
-    write_kv: bool = True  # False: replay over cached KV, which stays read-only (dasc-wr)
+    is_decode: bool  # every sequence brings exactly one token (never with replays)
+    num_replays: int = 0  # leading sequences that replay cached KV (module docstring)
+    merge: Callable[[int], None] | None = None  # Refresh.merge, with replays
     kv_table: torch.Tensor | None = None  # [B, C] static decode: KV rows of positions [0, C)
     kv_lens: torch.Tensor | None = None  # [B] static decode: valid table columns [0, len)
-    last_token_index: torch.Tensor = field(init=False)  # [B] row of each sequence's last token
+    # [B - num_replays] row of each (non-replay) sequence's last token
+    last_token_index: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.last_token_index = torch.tensor(self.cu_seqlens[1:], dtype=torch.long) - 1
+        self.last_token_index = torch.tensor(self.cu_seqlens[self.num_replays + 1 :],
+                                             dtype=torch.long) - 1
+
+    @property
+    def replay_tokens(self) -> int:
+        """Rows [0, replay_tokens) are the replays' tokens."""
+        return self.cu_seqlens[self.num_replays]
 
     @property
     def num_seqs(self) -> int:
@@ -70,32 +95,38 @@ def kv_rows(s: SeqInput, page_size: int) -> torch.Tensor:
 
 
 def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
-                write_kv: bool = True) -> ForwardBatch:
-    if not seqs:
+                refresh: Refresh | None = None) -> ForwardBatch:
+    """The step's tensors; ``refresh``'s replays come first and write no KV."""
+    replays = refresh.seqs if refresh is not None else []
+    everything = replays + seqs
+    if not everything:
         raise ValueError("empty batch")
     tokens, positions, write, read, cu = [], [], [], [], [0]
-    for s in seqs:
+    for i, s in enumerate(everything):
         n, end = len(s.token_ids), s.prefix_len + len(s.token_ids)
         if n == 0:
             raise ValueError("a sequence in the batch has no new tokens")
         rows = kv_rows(s, page_size)
         tokens.extend(s.token_ids)
         positions.append(torch.arange(s.prefix_len, end, dtype=torch.long))
-        write.append(rows[s.prefix_len :])
+        if i >= len(replays):
+            write.append(rows[s.prefix_len :])
         read.append(rows.to(device))
         cu.append(cu[-1] + n)
-    write_rows = torch.cat(write)
-    if write_kv and write_rows.unique().numel() != write_rows.numel():
+    write_rows = torch.cat(write) if write else torch.empty(0, dtype=torch.long)
+    if write_rows.unique().numel() != write_rows.numel():
         raise ValueError("two tokens of the step would write the same KV row")
     return ForwardBatch(
         token_ids=torch.tensor(tokens, dtype=torch.long, device=device),
         positions=torch.cat(positions).to(device),
-        seq_lens=[len(s.token_ids) for s in seqs],
-        prefix_lens=[s.prefix_len for s in seqs],
+        seq_lens=[len(s.token_ids) for s in everything],
+        prefix_lens=[s.prefix_len for s in everything],
         cu_seqlens=cu,
-        state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.long, device=device),
+        state_slots=torch.tensor([s.state_slot for s in everything], dtype=torch.long,
+                                 device=device),
         kv_write_index=write_rows.to(device),
         kv_read_index=read,
-        is_decode=all(len(s.token_ids) == 1 for s in seqs),
-        write_kv=write_kv,
+        is_decode=not replays and all(len(s.token_ids) == 1 for s in seqs),
+        num_replays=len(replays),
+        merge=refresh.merge if refresh is not None else None,
     )

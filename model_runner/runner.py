@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model_runner.batch import SeqInput, build_batch
+from model_runner.batch import Refresh, SeqInput, build_batch
 from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
 from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import load_decay_params
@@ -117,30 +117,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False,
-                capture: dict | None = None, write_kv: bool = True, *,
+                capture: dict | None = None, *, refresh: Refresh | None = None,
                 inputs_checked: bool = False) -> torch.Tensor:
         """Run one step. Returns logits [num_seqs, vocab] (last token of each sequence), or
         [num_tokens, vocab] with ``all_logits``.  Fresh sequences (prefix_len 0) start from a
-        zeroed state slot.  ``write_kv=False`` reads the cached KV of every position without
-        writing the new tokens' entries (their rows must already be cached).
+        zeroed state slot.  ``refresh`` (``replays``): dasc-wr replays that run inside this step,
+        ahead of ``seqs``, from zeroed scratch slots (``batch.Refresh``); they add no logits.
 
         Token ids and page tables are checked first unless ``inputs_checked``: the caller
         checked them where they entered (a serving rank: the scheduler checks prompts, the
         sampler only makes ids in the vocabulary, each row table is checked on arrival).
         What is the step's own (state slots, prefix lengths) is checked every time."""
+        everything = seqs + (refresh.seqs if refresh is not None else [])
         if not inputs_checked:
-            for s in seqs:
+            for s in everything:
                 self.check_tokens(s.token_ids)
                 self.check_page_table(s.page_table)
-        self._check_step(seqs)
+        self._check_step(everything)
         fresh = [s.state_slot for s in seqs if s.prefix_len == 0]
+        if refresh is not None:
+            fresh += [s.state_slot for s in refresh.seqs]
         if fresh:
             self.state.zero(torch.tensor(fresh, device=self.device))
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(seqs) and write_kv and capture is None \
+        if graphs is not None and refresh is None and graphs.fits(seqs) and capture is None \
                 and not all_logits:
             return graphs.run(seqs)
-        batch = build_batch(seqs, self.rc.page_size, self.device, write_kv)
+        batch = build_batch(seqs, self.rc.page_size, self.device, refresh)
         ctx = StepContext(batch, self.kv, self.state, capture)
         return self.model(ctx, all_logits=all_logits)
 
@@ -194,22 +197,30 @@ class ModelRunner:
         self._pool().store(self.state.temporal, self.state.conv,
                                torch.tensor(active_slots), torch.tensor(ckpt_slots))
 
-    def refresh_omitted(self, seqs: list[SeqInput], scratch_slots: list[int], *,
-                        inputs_checked: bool = False) -> None:
-        """dasc-wr: replay each sequence's window (``token_ids`` at ``prefix_len``) from a zero
-        scratch state over the read-only cached KV, then copy only the units the plan omits
-        from the scratch slot into the sequence's ``state_slot``.  Conv state and retained
-        units keep their restored values.  ``inputs_checked`` as for ``forward``."""
-        active = [s.state_slot for s in seqs]
+    def replays(self, seqs: list[SeqInput], scratch_slots: list[int]) -> Refresh:
+        """dasc-wr for ``forward(..., refresh=)``: each sequence replays its window
+        (``token_ids`` at ``prefix_len``) from a zero scratch slot over the read-only cached KV;
+        in every linear layer only the units the plan omits are then copied from the scratch
+        slot into the sequence's ``state_slot``.  Conv state and retained units keep their
+        restored values."""
+        pool = self._pool()
+        omitted = [(row < 0).nonzero()[:, 0].to(self.device) for row in pool.index.unit_pos]
+        dst = torch.tensor([s.state_slot for s in seqs], device=self.device)[:, None]
+        src = torch.tensor(scratch_slots, device=self.device)[:, None]
+
+        def merge(layer: int) -> None:
+            units = pool.unit_view(self.state.temporal)[layer]  # [S, U_loc, D], a view
+            units[dst, omitted[layer]] = units[src, omitted[layer]]
+
         replay = [SeqInput(s.token_ids, s.prefix_len, s.page_table, scratch)
                   for s, scratch in zip(seqs, scratch_slots)]
-        self.zero_state_slots(scratch_slots)
-        self.forward(replay, write_kv=False, inputs_checked=inputs_checked)
-        pool = self._pool()
-        omitted = pool.index.unit_pos < 0  # [L, U_loc]
-        units = pool.unit_view(self.state.temporal)  # [L, S, U_loc, D]
-        for dst, src in zip(active, scratch_slots):
-            units[:, dst][omitted] = units[:, src][omitted]
+        return Refresh(replay, merge)
+
+    def refresh_omitted(self, seqs: list[SeqInput], scratch_slots: list[int], *,
+                        inputs_checked: bool = False) -> None:
+        """``replays`` on their own, as a step with no other sequences."""
+        self.forward([], refresh=self.replays(seqs, scratch_slots),
+                     inputs_checked=inputs_checked)
 
     def load_checkpoints(self, ckpt_slots: list[int], active_slots: list[int]) -> None:
         """Checkpoint slots -> active state; omitted units are zero-filled (dasc-nr)."""

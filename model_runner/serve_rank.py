@@ -157,16 +157,16 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
     if plan.loads:
         ckpt, active = _unzip(plan.loads)
         runner.load_checkpoints(ckpt, active)
-    if plan.refresh:
-        runner.refresh_omitted([seq(s) for s in plan.refresh], plan.refresh_scratch,
-                               inputs_checked=True)
+    # dasc-wr replays run inside the step's forward, ahead of its sequences (``batch.Refresh``)
+    refresh = (runner.replays([seq(s) for s in plan.refresh], plan.refresh_scratch)
+               if plan.refresh else None)
     sampled = Sampled([], [], [], [])
-    if plan.seqs:
+    if plan.seqs or refresh is not None:
         # echo: every position's logits, only in steps with a sequence that asks (lm_head
         # over all the step's tokens; rank 0 reads only the rows that asked)
         all_logits = any(s.logprob_targets for s in plan.seqs)
         logits = runner.forward([seq(s) for s in plan.seqs], all_logits=all_logits,
-                                inputs_checked=True)
+                                refresh=refresh, inputs_checked=True)
         if runner.tp.is_first:
             if all_logits:
                 logits, sampled = _last_rows(logits, plan.seqs), _targets(logits, plan.seqs)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from ckpt_worker import plans
 from random_checkpoints import make_model
-from runner_scenarios import make_runner
+from runner_scenarios import PAGE, make_runner
 
-from model_runner.batch import SeqInput
+from model_runner.batch import SeqInput, kv_rows
 
 
 @pytest.fixture(scope="module", params=["kda", "gdn"])
@@ -68,3 +68,51 @@ def test_checkpoint_calls_need_a_pool(tmp_path):
     runner = make_runner(str(tmp_path))
     with pytest.raises(RuntimeError, match="attach_checkpoints"):
         runner.store_checkpoints([1], [0])
+
+
+def _hit_state(runner, prompt, table, start):
+    """Slot 2 restored nr from slot 1's checkpoint; the replay of prompt[start:] into slot 3."""
+    _restore_nr(runner)
+    return runner.replays([SeqInput(prompt[start:], start, table, 2)], scratch_slots=[3])
+
+
+def test_replays_inside_a_step_equal_the_replay_then_the_step(setup):
+    """A step that carries the replay ahead of the hit's own suffix and of another request's
+    decode token gives what the replay alone, then the step, gives: the hit's suffix already
+    reads the refreshed units, layer by layer.  Only GEMM row counts differ between the two, so
+    the tolerance is float noise (measured <= 1.2e-6 of the logits' scale); a step that skipped
+    the merge moved them by 4e-2 (KDA) and 3e-1 (GDN)."""
+    runner, prompt, table = setup
+    window = runner.checkpoints.plan.refresh_window
+    start = len(prompt) - window
+    suffix, table = [7, 8, 9, 10, 11], table + [10, 11]
+    other_table = list(range(20, 30))
+    written = sorted(kv_rows(SeqInput(suffix, len(prompt), table, 2), PAGE)[len(prompt):].tolist()
+                     + kv_rows(SeqInput([5], 9, other_table, 4), PAGE)[9:].tolist())
+    runner.forward([SeqInput(prompt[:9], 0, other_table, 4)])
+    other_state = runner.read_state(4)
+
+    def step(fused: bool):
+        runner.write_state(4, other_state)
+        refresh = _hit_state(runner, prompt, table, start)
+        seqs = [SeqInput(suffix, len(prompt), table, 2), SeqInput([5], 9, other_table, 4)]
+        if not fused:
+            runner.forward([], refresh=refresh)
+            refresh = None
+        for cache in runner.kv.caches:
+            cache[written] = 0
+        kv = [c.clone() for c in runner.kv.caches]
+        logits = runner.forward(seqs, refresh=refresh)
+        for before, after in zip(kv, runner.kv.caches):  # the replay writes no KV
+            changed = (before != after).flatten(1).any(1).nonzero()[:, 0].tolist()
+            assert changed == written
+        return logits, runner.read_state(2).temporal
+
+    serial, serial_state = step(fused=False)
+    fused, fused_state = step(fused=True)
+    scale = serial.abs().max()
+    assert (fused - serial).abs().max() <= 1e-5 * scale
+    assert (fused_state - serial_state).abs().max() <= 1e-5 * serial_state.abs().max()
+    _restore_nr(runner)
+    nr = runner.forward([SeqInput(suffix, len(prompt), table, 2)])
+    assert (nr - serial[:1]).abs().max() > 1e-3 * scale, "the refresh must change the suffix"

@@ -49,17 +49,39 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
 def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
                operand_dtype: torch.dtype) -> torch.Tensor:
     """Gated delta rule from / into each sequence's temporal state; returns o [N, Hv, V] FP32.
-    ``operand_dtype``: the model's dtype, which fla's kernels read q, k, v and beta in."""
+    ``operand_dtype``: the model's dtype, which fla's kernels read q, k, v and beta in.
+    A step with dasc-wr replays runs them first, merges the omitted units into the hits' slots
+    (``batch.merge``), then runs its own sequences from the merged states."""
     batch, pool = ctx.batch, ctx.state.temporal[layer]
-    slots = batch.state_slots
-    if batch.is_decode:
-        o, pool[slots] = delta_rule_decode(q, k, v, g, beta, pool[slots], scale, operand_dtype)
+    args = (scale, operand_dtype)
+    if batch.num_replays:
+        r, t = batch.num_replays, batch.replay_tokens
+        cu, slots = batch.cu_seqlens, batch.state_slots
+        replayed = _recurrence(pool, slots[:r], cu[: r + 1], *args, q[:t], k[:t], v[:t], g[:t],
+                               beta[:t])
+        batch.merge(layer)
+        rest = _recurrence(pool, slots[r:], [c - t for c in cu[r:]], *args, q[t:], k[t:], v[t:],
+                           g[t:], beta[t:])
+        o = torch.cat([replayed, rest])
     else:
-        o, pool[slots] = delta_rule_prefill(q, k, v, g, beta, pool[slots], batch.cu_seqlens, scale,
-                                            operand_dtype)
+        o = _recurrence(pool, batch.state_slots, batch.cu_seqlens, *args, q, k, v, g, beta)
     if ctx.capture is not None:
         ctx.capture.setdefault("g", {})[layer] = g.detach().clone()
         ctx.capture.setdefault("q", {})[layer] = q.detach().clone()
+    return o
+
+
+def _recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: list[int], scale: float,
+                operand_dtype: torch.dtype, q, k, v, g, beta) -> torch.Tensor:
+    """The sequences of ``cu_seqlens`` from and into ``pool[slots]``: one-token sequences take
+    the decode kernel, anything longer the chunked prefill."""
+    if len(slots) == 0:
+        return v.new_empty(v.shape, dtype=torch.float32)
+    if len(cu_seqlens) - 1 == cu_seqlens[-1]:  # one token each
+        o, pool[slots] = delta_rule_decode(q, k, v, g, beta, pool[slots], scale, operand_dtype)
+    else:
+        o, pool[slots] = delta_rule_prefill(q, k, v, g, beta, pool[slots], cu_seqlens, scale,
+                                            operand_dtype)
     return o
 
 
@@ -111,11 +133,16 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
     def forward(self, ctx: StepContext, all_logits: bool = False) -> torch.Tensor:
-        x = self.model.embed_tokens(ctx.batch.token_ids)
+        batch = ctx.batch
+        x = self.model.embed_tokens(batch.token_ids)
         for layer in self.model.layers:
             x = layer(x, ctx)
-        if not all_logits and not ctx.batch.is_decode:  # decode: every token is a last token
-            x = x[ctx.batch.last_token_index.to(x.device)]
+        if all_logits:
+            x = x[batch.replay_tokens :]  # replays have no logits
+        elif not batch.is_decode:  # decode: every token is a last token
+            x = x[batch.last_token_index.to(x.device)]
+        if x.shape[0] == 0:  # replays alone
+            return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         return self.lm_head(self.model.norm(x)).float()
 
     @classmethod
