@@ -1,14 +1,24 @@
 """The CUDA branches on CPU under the Triton interpreter: fla's kernels and the fixed-shape step.
 
 Runs in a child process started with `TRITON_INTERPRET=1` (`kernels.interpreted.run_interpreted`),
-where importing this module makes the two adjustments fla 0.6.0's chunk kernels need there
-(ENVIRONMENT.md), here in the test harness and never in the product:
+where importing this module makes the adjustments fla 0.6.0's chunk kernels need there
+(ENVIRONMENT.md: 1, 2), here in the test harness and never in the product:
 1. an autotuner launches one config: there is no driver to benchmark with.  It takes the last
    (fla lists small blocks first; the interpreter runs one program at a time, so the largest
    blocks are the quickest, ~2x on the KDA intra-chunk kernel).  Any listed config is valid;
 2. the index of a `range` / `tl.range` loop becomes an interpreter tensor, as it is when
    compiled: fla calls `i_t.to(tl.int64)` on it, which a Python int lacks.
-The entry points call what the CUDA branches of the runner call, on CPU tensors.
+3. bf16 is computed on its values.  The interpreter stores bf16 as the uint16 bit pattern and
+   only converts it in casts (Triton's debugging guide: no bf16 arithmetic; triton-lang/triton
+   #11584, not fixed in 3.9.0), so fla's chunk kernels, which `tl.dot` bf16 blocks, multiplied
+   bit patterns: ~1e9.  Here bf16 enters `tl.dot` as fp32 (bf16 products are exact in fp32, an
+   MMA accumulates them in fp32), elementwise ops round the fp32 result to nearest even (a
+   correctly rounded bf16 op), and so do fp32 -> bf16 casts, as `cvt.rn.bf16.f32` does (the
+   interpreter truncates: ~2x the error).  On bf16 values fla's chunk and fused recurrent
+   kernels only move bits (load, store, transpose, broadcast, select), cast, `tl.dot` and
+   multiply; no reduction or scan (counted, for the cases the tests run).
+The entry points run the product's dispatch (`delta_rule_prefill` / `_decode`) with `is_cuda`
+claimed, so their CUDA branches, operand casts included, run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import ast
 import os
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -71,21 +82,71 @@ def _device_call(self, *args, **kwargs):
         raise interpreter.InterpreterError(repr(e)) from e
 
 
+def _bf16_values(data: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16, how the interpreter stores bf16) -> fp32 values, exactly."""
+    bits = torch.from_numpy(np.ascontiguousarray(data).view(np.int16))
+    return bits.view(torch.bfloat16).float().numpy()
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """fp32 values -> bf16 bit patterns, rounded to nearest even (torch rounds as a GPU does)."""
+    rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).bfloat16()
+    return rounded.view(torch.int16).numpy().view(np.uint16)
+
+
+def _is_bf16(handle) -> bool:
+    return handle.dtype.scalar == tl.bfloat16
+
+
+_BUILDER = interpreter.InterpreterBuilder
+_DOT, _BINARY, _UNARY, _CAST = (_BUILDER.create_dot, _BUILDER.binary_op, _BUILDER.unary_op,
+                                _BUILDER.cast_impl)
+
+
+def _dot(self, a, b, d, *args):
+    a, b = (interpreter.TensorHandle(_bf16_values(x.data), tl.float32) if _is_bf16(x) else x
+            for x in (a, b))
+    return _DOT(self, a, b, d, *args)
+
+
+def _binary_op(self, lhs, rhs, op):
+    if not (_is_bf16(lhs) and _is_bf16(rhs)):
+        return _BINARY(self, lhs, rhs, op)
+    out = op(_bf16_values(lhs.data), _bf16_values(rhs.data))  # a comparison gives bools
+    return interpreter.TensorHandle(_bf16_bits(out) if out.dtype == np.float32 else out,
+                                    tl.bfloat16)
+
+
+def _unary_op(self, arg, op):
+    if not _is_bf16(arg):
+        return _UNARY(self, arg, op)
+    return interpreter.TensorHandle(_bf16_bits(op(_bf16_values(arg.data))), tl.bfloat16)
+
+
+def _cast(self, src, dst_type):
+    if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
+        return interpreter.TensorHandle(_bf16_bits(src.data), tl.bfloat16)
+    return _CAST(self, src, dst_type)
+
+
 Autotuner.run = _one_config_run
 interpreter.FunctionRewriter.ast_transformer = _TensorLoopIndex()
 interpreter.InterpretedFunction.__call__ = _device_call
+_BUILDER.create_dot, _BUILDER.binary_op, _BUILDER.unary_op, _BUILDER.cast_impl = (
+    _dot, _binary_op, _unary_op, _cast)
 
 
 def fla_prefill(q, k, v, g, beta, states, cu_seqlens, scale, operand_dtype=torch.float32):
-    """The CUDA branch of `delta_rule_prefill` (fla's chunk kernels)."""
-    q, k, v, beta = linear_attention._operands(operand_dtype, q, k, v, beta)
-    return linear_attention._fla_prefill(q, k, v, beta, g, states, cu_seqlens, scale)
+    """The CUDA branch of `delta_rule_prefill` (fla's chunk kernels), operand cast included."""
+    with tensors_claim_cuda():
+        return linear_attention.delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens, scale,
+                                                   operand_dtype)
 
 
 def fla_decode(q, k, v, g, beta, states, scale, operand_dtype=torch.float32):
     """The CUDA branch of `delta_rule_decode` (fla's fused recurrent kernels)."""
-    q, k, v, beta = linear_attention._operands(operand_dtype, q, k, v, beta)
-    return linear_attention._fla_decode(q, k, v, beta, g, states, scale)
+    with tensors_claim_cuda():
+        return linear_attention.delta_rule_decode(q, k, v, g, beta, states, scale, operand_dtype)
 
 
 @contextmanager

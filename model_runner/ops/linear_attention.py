@@ -7,12 +7,15 @@ lazily, so this module imports on machines without a GPU driver.
 Shapes: q, k [N, Hk, K] (L2-normalised, FP32); v [N, Hv, V]; g [N, Hv] (GDN) or [N, Hv, K]
 (KDA); beta [N, Hv]; states [B, Hv, K, V] FP32, one per sequence.  Hv = ratio * Hk (GVA).
 
-``operand_dtype``: what fla's decode kernels take q, k, v and beta in (the model's dtype: a
-bf16 model runs fla's bf16 fused recurrent kernels, with fp32 accumulation, log-space g and an
-fp32 state; checked under the Triton interpreter).  Prefill keeps fp32 operands for now: fla's
-chunk kernels given bf16 returned values of ~1e9 under the interpreter (tests: the fp32 cases
-pass to 2e-6), which only a GPU can tell apart from an interpreter artifact.  The CPU path
-computes in fp32 whatever the model's dtype.
+``operand_dtype``: what fla's kernels take q, k, v and beta in, prefill and decode alike (the
+model's dtype: a bf16 model runs fla's bf16 chunk and fused recurrent kernels, with fp32
+accumulation, log-space fp32 g and an fp32 state).  fla keeps its chunk intermediates
+(per-chunk states, WY factors, attention blocks) and the output in the operand dtype; the result
+is within two bf16 ulps of the CPU path on the same bf16-rounded operands under the Triton
+interpreter, and tests/test_cuda_bf16_operands.py checks that on a GPU (not yet run on one).
+The chunk kernels once seemed to return ~1e9 for bf16: that was the interpreter, which
+multiplies bf16 bit patterns in `tl.dot` (tests/fla_interpreted.py).  The CPU path computes in
+fp32 whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: f
                        operand_dtype: torch.dtype = torch.float32
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [N, Hv, V] FP32, final states [B, Hv, K, V] FP32)."""
-    if q.is_cuda:  # operand_dtype not yet: see the module docstring
-        return _fla_prefill(*_operands(torch.float32, q, k, v, beta), g, states, cu_seqlens,
+    if q.is_cuda:
+        return _fla_prefill(*_operands(operand_dtype, q, k, v, beta), g, states, cu_seqlens,
                             scale)
     o = v.new_empty(v.shape, dtype=torch.float32)
     finals = torch.empty_like(states, dtype=torch.float32)

@@ -5,7 +5,8 @@
 #   bash tests/gpu/validate.sh [OUT_DIR]
 # 0. a CUDA build of torch and a visible device,
 # 1. CUDA parity tests against the CPU reference (runner, Triton checkpoint kernels, serving)
-#    and CUDA-graph replay against eager CUDA decode, token for token, with fp32 dots in full
+#    and CUDA-graph replay against eager CUDA decode, token for token, fla's kernels fed bf16
+#    q/k/v/beta (prefill and decode) against the CPU path, with fp32 dots in full
 #    fp32 (TRITON_F32_DEFAULT=ieee: fla's TF32 default is ~5e-3 off the fp32 CPU path, the
 #    tests compare at 1e-3; the benchmarks below keep the product's default),
 # 2. checkpoint store/load bandwidth next to a torch copy of the same bytes,
@@ -30,7 +31,8 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_de
 PY
 status=0
 TRITON_F32_DEFAULT=ieee timeout 1200 python -m pytest -q -rs tests/test_cuda_path.py tests/test_decode_graphs.py \
-    tests/test_kernels_ragged.py tests/test_kernels_int8.py tests/test_cuda_serving.py 2>&1 | tee "$out/tests.txt" | tail -n 25 || status=1
+    tests/test_kernels_ragged.py tests/test_kernels_int8.py tests/test_cuda_serving.py \
+    tests/test_cuda_bf16_operands.py 2>&1 | tee "$out/tests.txt" | tail -n 25 || status=1
 timeout 240 python bench/checkpoint_speed.py --device cuda --repeats 20 > "$out/checkpoint.txt" 2>&1 || status=1
 for graph in "" --cuda-graph; do
     timeout 450 python bench/runner_speed.py --device cuda --dtype bfloat16 --prompt-len 2048 \
