@@ -89,11 +89,13 @@ def server_launches(mode: str):
                 hk, hv = key_heads, value_heads
                 cu = [0, 700, 1024]  # two sequences, the first ends inside a chunk
                 n = cu[-1]
-                q, k = torch.empty(n, hk, k_dim), torch.empty(n, hk, k_dim)
-                v = torch.empty(n, hv, v_dim)
-                g = torch.empty(n, hv, k_dim) if arch == "kda" else torch.empty(n, hv)
-                beta, states = torch.empty(n, hv), torch.empty(2, hv, k_dim, v_dim)
-                linear_attention._fla_prefill(q, k, v, beta, g, states, cu, k_dim**-0.5)
+                for dtype in (torch.float32, torch.bfloat16):  # operands: the model's dtype
+                    q, k = torch.empty(n, hk, k_dim), torch.empty(n, hk, k_dim)
+                    v = torch.empty(n, hv, v_dim)
+                    g = torch.empty(n, hv, k_dim) if arch == "kda" else torch.empty(n, hv)
+                    beta, states = torch.empty(n, hv), torch.empty(2, hv, k_dim, v_dim)
+                    operands = linear_attention._operands(dtype, q, k, v, beta)
+                    linear_attention._fla_prefill(*operands, g, states, cu, k_dim**-0.5)
     return launches
 
 

@@ -4,8 +4,9 @@
 launch).  By default: fla's fused recurrent kernels, which eager decode runs and the decode
 graphs replay, with fp32 and bf16 q/k/v at TP 1 and 8 of both real models (8 builds, ~25 s of
 CPU after fla's ~20 s import); each must compile without spills.
-`DASC_FLA_HOPPER=all` adds prefill's chunk kernels with every autotune config (~120 builds, about
-15 minutes on 2 cores, too slow for CI): each must compile, and each kernel needs one config
+`DASC_FLA_HOPPER=all` adds prefill's chunk kernels with fp32 and bf16 operands and every autotune
+config (~240 builds, about 30 minutes on 2 cores, too slow for CI): each must compile, and each
+kernel needs one config
 within `CHUNK_SPILL_LIMIT_BYTES` (the autotuner picks among them on the GPU, and many of fla's
 configs spill: 30 of 86 measured).
 """
