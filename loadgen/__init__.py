@@ -1,2 +1,3 @@
 """The HTTP load generator (torch-free): workloads, timed streaming requests, the paper's
-matched-budget protocol; `bench/` the serving experiments; `quality/` the quality study (torch)."""
+matched-budget protocol; `bench/` the serving experiments and benchmarks; `quality/` the quality
+study (torch)."""

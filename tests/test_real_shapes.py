@@ -1,31 +1,28 @@
 """The runner against transformers at the real models' per-layer shapes (fp32, short prompts).
 
-The tiny models' heads are 32 wide; these are the benchmark models of ``bench/real_shape_models``
-(Qwen3-Next-80B's GDN 16 key / 32 value heads of 128 and gated attention 16 q / 2 kv heads of 256;
-Kimi-Linear-48B's KDA 32 heads of 128, MLA with kv_lora_rank 512 and rope 64, hidden 2,304,
-experts 1,024 wide, a dense first layer of 9,216), cut to 4 layers and 2-4 experts so that a
-reference and a runner fit the test machine.  Prefill logits at every position, greedy decode,
-batched unequal prompts and a state round trip are checked, as for the tiny models.
+The tiny models' heads are 32 wide; these are the benchmark models of
+``loadgen/bench/real_shape_models`` (Qwen3-Next-80B's GDN 16 key / 32 value heads of 128 and gated
+attention 16 q / 2 kv heads of 256; Kimi-Linear-48B's KDA 32 heads of 128, MLA with kv_lora_rank
+512 and rope 64, hidden 2,304, experts 1,024 wide, a dense first layer of 9,216), cut to 4 layers
+and 2-4 experts so that a reference and a runner fit the test machine. Prefill logits at every
+position, greedy decode, batched unequal prompts and a state round trip are checked, as for the
+tiny models.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import pytest
 import torch
-from conftest import ROOT
 from runner_scenarios import check_against_reference, make_runner, run_scenarios
 
 STEPS = 4
 
 
 def _shapes_module():
-    spec = importlib.util.spec_from_file_location("real_shape_models",
-                                                  ROOT / "bench" / "real_shape_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # Imported when the test runs, not at collection: the module hides fla from transformers.
+    return importlib.import_module("loadgen.bench.real_shape_models")
 
 
 @pytest.mark.parametrize("name,num_experts", [("qwen3-next-shape", 4), ("kimi-linear-shape", 2)])

@@ -1,27 +1,18 @@
-"""bench/step_cost.py: the graph path reads only the routed experts at decode batch sizes, and
-the all-experts figures are the issue's (~94 GB Kimi-Linear, ~154 GB Qwen3-Next at TP 1)."""
+"""loadgen/bench/step_cost.py: the graph path reads only the routed experts at decode batch
+sizes, and the all-experts figures are the issue's (~94 GB Kimi-Linear, ~154 GB Qwen3-Next at
+TP 1)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from conftest import ROOT
 
+from loadgen.bench import step_cost as sc
 from model_runner.config import ModelConfig
-
-
-def _step_cost():
-    spec = importlib.util.spec_from_file_location("step_cost", ROOT / "bench" / "step_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("name,experts_gb", [("kimi-linear-48b-a3b-instruct", 94.2),
                                              ("qwen3-next-80b-a3b-instruct", 154.6)])
 def test_graph_path_reads_only_routed_experts(name, experts_gb):
-    sc = _step_cost()
     cfg = ModelConfig.from_dir(sc.CONFIGS / name)
     k = cfg.num_experts_per_tok
     for tp in (1, 8):

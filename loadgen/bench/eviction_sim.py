@@ -6,7 +6,7 @@ order of admissions, stores and evictions, never on the model, so these are exac
 a server reports for the same arrival order; so do the prefill chunks the steps carry (each
 store inside a prompt ends a chunk, and the rest of the prompt waits for the next step).
 
-    python -m bench.eviction_sim --slots 8 16 32 --concurrency 8 --admission all reuse
+    python -m loadgen.bench.eviction_sim --slots 8 16 32 --concurrency 8 --admission all reuse
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def shared_prefix_requests(args: argparse.Namespace) -> list[Request]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.eviction_sim",
+    p = argparse.ArgumentParser(prog="python -m loadgen.bench.eviction_sim",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--slots", type=int, nargs="+", default=[8, 16, 32],

@@ -1,6 +1,6 @@
 """Time per output token of a real dasc-serve with and without ``response_format``.
 
-    OMP_NUM_THREADS=1 python bench/grammar_serving.py [--concurrency 1 8] [--max-tokens 64]
+    OMP_NUM_THREADS=1 python -m loadgen.bench.grammar_serving [--concurrency 1 8] [--max-tokens 64]
 
 Starts one dasc-serve (the built-in tiny model unless ``--model``), then for each concurrency
 streams that many requests at once, ``--rounds`` times: plain ones (``ignore_eos``, so each
@@ -15,17 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from dasc_server.spawn import running_server  # noqa: E402
+from dasc_server.spawn import running_server
 
 SCHEMA = {"type": "array", "minItems": 256, "items": {"enum": ["ab", "cd", "ef"]}}
 

@@ -1,9 +1,9 @@
 """Serving latency on a real dasc-serve: TTFT of a prefix hit vs a miss, the scheduler's and
 IPC's share of a decode step, and the gaps between a stream's frames.
 
-    python bench/serve_latency.py [--model DIR] [--tp 1 2] [--prefix-len 2048] [--suffix-len 32]
-                                  [--reps 5] [--batch 8] [--decode-tokens 64]
-                                  [--decode-prompt-len 64] [--gap-streams 8] [--gap-tokens 32]
+    python -m loadgen.bench.serve_latency [--model DIR] [--tp 1 2] [--prefix-len 2048]
+        [--suffix-len 32] [--reps 5] [--batch 8] [--decode-tokens 64]
+        [--decode-prompt-len 64] [--gap-streams 8] [--gap-tokens 32]
 
 TTFT is measured client-side, from sending the request to the first SSE frame with text.  A miss
 is prefix_i + suffix_a on a flushed cache; the hit is prefix_i + suffix_b right after it (the
@@ -24,13 +24,11 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dasc_server.spawn import running_server  # noqa: E402
-from model_runner.config import DEFAULT_MODEL  # noqa: E402
+from dasc_server.spawn import running_server
+from model_runner.config import DEFAULT_MODEL
 
 
 def text_ids(rng: random.Random, n: int) -> list[int]:

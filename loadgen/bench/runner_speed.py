@@ -1,14 +1,14 @@
 """Prefill throughput and decode step time of the runner (run as one rank or under torchrun).
 
-    python bench/runner_speed.py [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
-                                 [--dtype float32|bfloat16] [--cuda-graph] [--profile 20]
-    torchrun --standalone --nproc-per-node 2 bench/runner_speed.py ...
+    python -m loadgen.bench.runner_speed [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
+        [--dtype float32|bfloat16] [--cuda-graph] [--profile 20]
+    torchrun --standalone --nproc-per-node 2 -m loadgen.bench.runner_speed ...
 
 Rank 0 prints one JSON line for the machine (torch's CPU capability, whether the CPU has native
 bf16 dot products), then one per measurement (median of --repeats).  ``--profile N`` adds the
 torch profiler's top N operators by self time over one more prefill (with ``--mixed-chunks``,
-over one more step of the first mixed chunk instead).  Real-shape models come
-from ``bench/real_shape_models.py``.
+over one more step of the first mixed chunk instead).  Real-shape models come from
+``python -m loadgen.bench.real_shape_models``.
 """
 
 from __future__ import annotations

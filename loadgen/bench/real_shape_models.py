@@ -1,6 +1,6 @@
 """Random-weight HF checkpoints with the per-layer shapes of the real hybrid models.
 
-    python bench/real_shape_models.py {qwen3-next-shape,kimi-linear-shape} [--layers 8]
+    python -m loadgen.bench.real_shape_models {qwen3-next-shape,kimi-linear-shape} [--layers 8]
         [--experts N] [--dtype bfloat16] [--vocab-size 264] [--seed 0] [--cache-dir DIR]
 
 prints the folder it wrote (or found already written).  Folders are cached under
@@ -37,7 +37,7 @@ sys.modules.setdefault("fla", None)  # transformers' pure-torch path on CPU (ENV
 
 import torch  # noqa: E402
 
-ASSETS = Path(__file__).resolve().parents[1] / "model_runner" / "assets" / "qwen3-next-tiny"
+ASSETS = Path(__file__).resolve().parents[2] / "model_runner" / "assets" / "qwen3-next-tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
 NAMES = ("qwen3-next-shape", "kimi-linear-shape")

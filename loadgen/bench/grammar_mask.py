@@ -1,7 +1,8 @@
 """Per-step cost of structured output in rank 0's sampler: ``sample_tokens`` over a batch of
 random logits with every row under a JSON-schema grammar, against the same batch without one.
 
-    OMP_NUM_THREADS=1 python bench/grammar_mask.py [--batch 1 8 32] [--steps 64] [--bpe-vocab 32000]
+    OMP_NUM_THREADS=1 python -m loadgen.bench.grammar_mask [--batch 1 8 32] [--steps 64]
+        [--bpe-vocab 32000]
 
 Two tokenizers: the built-in byte tokenizer (264 ids) and a byte-level BPE trained here on the
 repository's own text to ``--bpe-vocab`` ids (a real model's vocabulary size class; 0 skips it).
@@ -29,7 +30,7 @@ from model_runner.grammar import TokenizerCache
 from model_runner.sampling import LogitControlTable, sample_tokens
 from scheduler.messages import LogitControls, Sample
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "tags", "address"],

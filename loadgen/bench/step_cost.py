@@ -1,8 +1,8 @@
 """Per-step cost of a real config on one tensor-parallel rank: weight bytes read and FLOPs per
 decode step and per prefill token, eager path vs the fixed-shape (CUDA-graph) path.
 
-    python bench/step_cost.py [--config DIR ...] [--tp 1 8] [--batch 1 8 64] [--context 4096]
-                              [--bytes-per-param 2] [--chunk 2048]
+    python -m loadgen.bench.step_cost [--config DIR ...] [--tp 1 8] [--batch 1 8 64]
+        [--context 4096] [--bytes-per-param 2] [--chunk 2048]
 
 Pure arithmetic from config.json (defaults: Qwen3-Next-80B-A3B and Kimi-Linear-48B-A3B from
 ``tests/data/configs``), no weights.  Paths, per rank:
@@ -28,7 +28,7 @@ from model_runner.config import ModelConfig
 from model_runner.cuda_graph import context_bucket
 from model_runner.layers.mlp import uses_gathered_experts
 
-CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "data" / "configs"
 DEFAULT = [CONFIGS / "qwen3-next-80b-a3b-instruct", CONFIGS / "kimi-linear-48b-a3b-instruct"]
 
 

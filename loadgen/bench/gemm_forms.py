@@ -1,8 +1,8 @@
 """CPU GEMM forms of one linear weight: torch's ``F.linear`` vs the oneDNN-packed fp32 weight
 that ``model_runner.layers.linear.pack_weight`` makes (what ``--cpu-packed-weights on`` runs).
 
-    python bench/gemm_forms.py [--shapes 12288x1024 1024x4096 ...] [--rows 1 2 4 17 64 256 1024]
-                               [--repeats 5]
+    python -m loadgen.bench.gemm_forms [--shapes 12288x1024 1024x4096 ...]
+        [--rows 1 2 4 17 64 256 1024] [--repeats 5]
 
 One JSON line per (weight [out x in], rows M): the median milliseconds of each form and their
 ratio.  Run it with ``OMP_NUM_THREADS=1`` to match one serving rank per core.  The default
