@@ -81,16 +81,18 @@ class ForwardBatch:
         return self.kv_table is not None
 
 
-def kv_rows(s: SeqInput, page_size: int) -> torch.Tensor:
-    """Flat KV-pool rows of positions [0, prefix_len + n) of ``s`` (CPU, int64; read-only:
-    with page size 1 a view of a tensor page table)."""
-    end = s.prefix_len + len(s.token_ids)
+def kv_rows(s: SeqInput, page_size: int, start: int = 0, end: int | None = None
+            ) -> torch.Tensor:
+    """Flat KV-pool rows of positions [start, end) of ``s`` (end: prefix_len + n; int64, on the
+    page table's device; read-only: with page size 1 a view of a tensor page table)."""
+    if end is None:
+        end = s.prefix_len + len(s.token_ids)
     if len(s.page_table) * page_size < end:
         raise ValueError(f"page table covers {len(s.page_table) * page_size} < {end} tokens")
     pages = torch.as_tensor(s.page_table, dtype=torch.long)
     if page_size == 1:
-        return pages[:end]
-    pos = torch.arange(end, dtype=torch.long)
+        return pages[start:end]
+    pos = torch.arange(start, end, dtype=torch.long, device=pages.device)
     return pages[pos // page_size] * page_size + pos % page_size
 
 

@@ -12,12 +12,17 @@ they are, absorbed, never expanded into K and V).  The MoE layers read only the 
 weights while the batch is small (``model_runner.layers.mlp.uses_gathered_experts``).
 
 Static inputs, allocated once outside the graph pool (a graph reads them by address):
-    inputs  [5, max_bs] int64: rows TOKEN, POSITION, SLOT, WRITE_ROW, KV_LEN
-    tables  {C: [max_bs, C] int64}: KV row of position j of sequence i, j in [0, C)
-Columns [0, B) of ``inputs`` and rows [0, B) of a table are the real sequences.  Padding
-sequences [B, bs) decode token 0 at position 0 from state slot 0 (reserved, zeroed at the
-start of every step) and write and read only the KV pool's scratch row; table columns past a
-sequence's length hold the scratch row too (masked out, but always a valid gather index).
+    inputs     [3, max_bs] int64: rows TOKEN, POSITION, SLOT
+    slot_rows  [num_state_slots, top bucket] int64: KV row of position j of the sequence that
+               state slot s holds, written only when that changes (``_sync_rows``: a new
+               table, or positions past those written), so a step uploads O(batch), not
+               O(batch x context); the step gathers its [bs, C] table from it by slot
+Columns [0, B) of ``inputs`` are the real sequences.  A sequence's KV length is its position
++ 1 and its write row ``slot_rows[slot, position]``, both derived on the device.  Padding
+sequences [B, bs) decode token 0 at position 0 from state slot 0 (reserved, zeroed at the start
+of every step, its rows all the KV pool's scratch row), so they write and read only that row.
+Columns past a sequence's length hold the scratch row or an earlier occupant's rows: masked out,
+always a valid gather index.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from model_runner.models.common import HybridForCausalLM, StepContext
 from model_runner.pools import KVPool, StatePool
 
 MIN_CONTEXT = 256
-TOKEN, POSITION, SLOT, WRITE_ROW, KV_LEN = range(5)
+TOKEN, POSITION, SLOT = range(3)
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -57,8 +62,11 @@ class DecodeGraphs:
         self.buckets = [w for w in (MIN_CONTEXT << i for i in range(32)) if w <= top]
         self.device = kv.caches[0].device
         self.use_graphs = use_graphs
-        self.inputs = torch.zeros(5, max_bs, dtype=torch.long, device=self.device)
-        self.tables: dict[int, torch.Tensor] = {}
+        self.inputs = torch.zeros(3, max_bs, dtype=torch.long, device=self.device)
+        self.slot_rows = torch.full((state.num_slots, top), kv.scratch_row, dtype=torch.long,
+                                    device=self.device)
+        self._written: dict[int, tuple[object, int]] = {}  # slot: (its table, positions written)
+        self.widths_run: set[int] = set()  # context buckets that ran (tests read it)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
@@ -83,62 +91,56 @@ class DecodeGraphs:
         """One decode step; returns logits [len(seqs), vocab] (a fresh tensor)."""
         num_seqs = len(seqs)
         bs = next(b for b in self.batch_sizes if b >= num_seqs)
-        rows = [kv_rows(s, self.kv.page_size) for s in seqs]
-        width = context_bucket(max(len(r) for r in rows))
-        inputs, table = self._host_inputs(seqs, rows, bs, width)
+        width = context_bucket(max(s.prefix_len for s in seqs) + 1)
+        _check_write_rows(seqs, self.kv.page_size)
+        for s in seqs:
+            self._sync_rows(s)
+        inputs = torch.zeros(3, bs, dtype=torch.long)
+        inputs[:, :num_seqs] = torch.tensor([[s.token_ids[0], s.prefix_len, s.state_slot]
+                                             for s in seqs]).T
+        self.inputs[:, :bs].copy_(inputs)
+        self.widths_run.add(width)
         if not self.use_graphs:
-            self._load(inputs, table)
             return self._forward(bs, width)[:num_seqs]
         graph, logits = self.graphs[bs, width]
-        self._load(inputs, table)
         graph.replay()
         return logits[:num_seqs].clone()  # the output buffer is overwritten by the next replay
 
-    def _host_inputs(self, seqs: list[SeqInput], rows: list[torch.Tensor], bs: int, width: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The padded step on the host: inputs [5, bs] and the row table [bs, width]."""
-        scratch = self.kv.scratch_row
-        inputs = torch.zeros(5, bs, dtype=torch.long)
-        inputs[WRITE_ROW], inputs[KV_LEN] = scratch, 1
-        table = torch.full((bs, width), scratch, dtype=torch.long)
-        for i, (s, r) in enumerate(zip(seqs, rows)):
-            inputs[:, i] = torch.tensor([s.token_ids[0], s.prefix_len, s.state_slot, r[-1],
-                                         len(r)])
-            table[i, : len(r)] = r
-        written = inputs[WRITE_ROW, : len(seqs)]
-        if written.unique().numel() != written.numel():
-            raise ValueError("two tokens of the step would write the same KV row")
-        return inputs, table
+    def forget(self, slots: list[int]) -> None:
+        """These slots get new occupants: their rows are written afresh at their next step."""
+        for slot in slots:
+            self._written.pop(slot, None)
 
-    def _load(self, inputs: torch.Tensor, table: torch.Tensor) -> None:
-        bs, width = table.shape
-        self.inputs[:, :bs].copy_(inputs)
-        self._table(width)[:bs].copy_(table)
-
-    def _table(self, width: int) -> torch.Tensor:
-        if width not in self.tables:
-            self.tables[width] = torch.full((self.max_bs, width), self.kv.scratch_row,
-                                            dtype=torch.long, device=self.device)
-        return self.tables[width]
+    def _sync_rows(self, s: SeqInput) -> None:
+        """Write the rows of positions [0, prefix_len] of ``s`` its slot does not hold yet: all
+        of them for a table the slot has not seen, else only the new positions (a table only
+        grows while its request runs; a changed table arrives as a new object)."""
+        end = s.prefix_len + 1
+        table, done = self._written.get(s.state_slot, (None, 0))
+        if table is not s.page_table:
+            done = 0
+        if done < end:
+            rows = kv_rows(s, self.kv.page_size, start=done, end=end)
+            self.slot_rows[s.state_slot, done:end].copy_(rows)
+            self._written[s.state_slot] = (s.page_table, end)
 
     def _forward(self, bs: int, width: int) -> torch.Tensor:
         """The step a graph records: reads only the static inputs, no host sync."""
         self.state.conv[:, 0].zero_()  # padding sequences start from a zero state every step
         self.state.temporal[:, 0].zero_()
         inputs = self.inputs[:, :bs]
+        slots, positions = inputs[SLOT], inputs[POSITION]
         batch = ForwardBatch(
-            token_ids=inputs[TOKEN], positions=inputs[POSITION], seq_lens=[1] * bs,
-            prefix_lens=[], cu_seqlens=list(range(bs + 1)), state_slots=inputs[SLOT],
-            kv_write_index=inputs[WRITE_ROW], kv_read_index=[], is_decode=True,
-            kv_table=self._table(width)[:bs], kv_lens=inputs[KV_LEN])
+            token_ids=inputs[TOKEN], positions=positions, seq_lens=[1] * bs,
+            prefix_lens=[], cu_seqlens=list(range(bs + 1)), state_slots=slots,
+            kv_write_index=self.slot_rows[slots, positions], kv_read_index=[], is_decode=True,
+            kv_table=self.slot_rows[:, :width].index_select(0, slots), kv_lens=positions + 1)
         return self.model(StepContext(batch, self.kv, self.state))
 
     def _capture(self, bs: int, width: int) -> None:
         # Capture with every sequence padding: the warm-up run (allocator, Triton autotuning,
         # lazy device moves) then touches only slot 0 and the scratch row.
         self.inputs.zero_()
-        self.inputs[WRITE_ROW], self.inputs[KV_LEN] = self.kv.scratch_row, 1
-        self._table(width).fill_(self.kv.scratch_row)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -148,3 +150,15 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(bs, width)
         self.graphs[bs, width] = (graph, logits)
+
+
+def _check_write_rows(seqs: list[SeqInput], page_size: int) -> None:
+    """Two sequences of a step must not write one KV row.  Checked where the tables are on the
+    host; tables on a device were checked when they arrived (``row_tables``), and reading them
+    back here would cost a sync each step (the scheduler gives each row to one request)."""
+    if any(isinstance(s.page_table, torch.Tensor) and s.page_table.device.type != "cpu"
+           for s in seqs):
+        return
+    written = [int(kv_rows(s, page_size, start=s.prefix_len)[0]) for s in seqs]
+    if len(set(written)) != len(written):
+        raise ValueError("two tokens of the step would write the same KV row")

@@ -104,7 +104,7 @@ def test_static_decode_equals_eager_decode(model, tmp_path, monkeypatch):
     for a, b in zip(ours, ref):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         assert_near(a, b)
-    assert sorted(static.decode_graphs.tables) == [256, 512]  # the fixed-shape path ran
+    assert sorted(static.decode_graphs.widths_run) == [256, 512]  # the fixed-shape path ran
 
     used_slots = sorted({s.state_slot for step in steps for s in step})
     assert_near(static.state.temporal[:, used_slots], eager.state.temporal[:, used_slots])
@@ -121,6 +121,37 @@ def test_static_decode_equals_eager_decode(model, tmp_path, monkeypatch):
         assert_near(ours_kv[used_rows], eager_kv[used_rows])
         assert torch.equal(ours_kv[:scratch][other], before[:scratch][other])
         assert not torch.equal(ours_kv[scratch], before[scratch])  # padding wrote only here
+
+
+def test_slot_row_tables_follow_new_occupants_and_moved_rows():
+    """The fixed-shape path keeps each slot's KV rows on the device and writes only what
+    changed.  One slot serves request A, then request B (a fresh prefill); then B's KV moves to
+    other pages and arrives as a new table (as when the radix tree swaps rows), and the old pages
+    are overwritten.  Every decode step must still equal the eager decode's: a stale row table
+    would read A's rows or B's old pages."""
+    static, eager = new_runner(KIMI, "cpu", 4), new_runner(KIMI, "cpu", 0)
+
+    def decode(seq: SeqInput, steps: int) -> None:
+        for _ in range(steps):
+            ours, ref = static.forward([seq]), eager.forward([seq])
+            assert_near(ours, ref)
+            seq.prefix_len += len(seq.token_ids)
+            seq.token_ids = [int(ref.argmax(-1))]
+
+    a = SeqInput(list(range(3, 40)), 0, list(range(0, 12)), 2)
+    decode(a, 4)
+    b = SeqInput(list(range(50, 70)), 0, list(range(20, 28)), 2)
+    decode(b, 4)
+    moved = list(range(40, 48))
+    old_rows = torch.tensor([p * PAGE + o for p in b.page_table for o in range(PAGE)])
+    new_rows = torch.tensor([p * PAGE + o for p in moved for o in range(PAGE)])
+    for runner in (static, eager):
+        for cache in runner.kv.caches:
+            cache[new_rows] = cache[old_rows]
+            cache[old_rows] = torch.randn(cache[old_rows].shape)
+    b.page_table = moved
+    decode(b, 3)
+    assert static.decode_graphs.widths_run == {256}
 
 
 def test_static_decode_rejects_bad_steps_before_touching_state():
@@ -142,7 +173,7 @@ def test_static_decode_matches_transformers(name, tmp_path):
     runner = make_runner(str(tmp_path), cuda_graph_max_bs=4)
     ps = prompts(hf.config.vocab_size)
     check_against_reference(hf, ps, STEPS, run_scenarios(runner, ps, STEPS))
-    assert runner.decode_graphs.tables, "the fixed-shape path never ran"
+    assert runner.decode_graphs.widths_run, "the fixed-shape path never ran"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
