@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from model_runner.batch import Refresh, SeqInput, build_batch
-from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
+from model_runner.checkpoints.pool import CheckpointFormat, CheckpointPool
 from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
@@ -58,6 +58,7 @@ class ModelRunner:
                  head_order: list[list[int]] | None = None):
         self.rc, self.tp, self.head_order = rc, tp or TPGroup(), head_order
         self.checkpoints: CheckpointPool | None = None
+        self._omitted_units: list[torch.Tensor] | None = None  # ``replays``, once per pool
         self.device = torch.device(rc.device)
         model_dir = Path(rc.model_dir)
         self.cfg = cfg = ModelConfig.from_dir(model_dir)
@@ -139,6 +140,7 @@ class ModelRunner:
             fresh += [s.state_slot for s in refresh.seqs]
         if fresh:
             self.state.zero(torch.tensor(fresh, device=self.device))
+            self._new_occupants(fresh)
         graphs = self.decode_graphs
         if graphs is not None and refresh is None and graphs.fits(seqs) and capture is None \
                 and not all_logits:
@@ -161,12 +163,19 @@ class ModelRunner:
             if s.prefix_len < 0:
                 raise ValueError(f"negative prefix length {s.prefix_len}")
 
+    def _new_occupants(self, slots: list[int]) -> None:
+        """A fresh, written or loaded state slot holds a new sequence: the decode graphs'
+        per-slot row tables must not be reused for it."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.forget(slots)
+
     # State API used by the prefix cache: a request's per-layer (conv, temporal) state.
     def read_state(self, slot: int) -> RequestState:
         return self.state.read(slot)
 
     def write_state(self, slot: int, state: RequestState) -> None:
         self.state.write(slot, state)
+        self._new_occupants([slot])
 
     def zero_state(self, slot: int) -> None:
         self.state.zero(slot)
@@ -181,6 +190,7 @@ class ModelRunner:
     def attach_checkpoints(self, plan: SelectionPlan, num_slots: int,
                            fmt: CheckpointFormat | None = None) -> CheckpointPool:
         """Allocate the checkpoint pool; the plan must match this model (checked first)."""
+        self._omitted_units = None
         self.checkpoints = CheckpointPool(
             self.cfg, plan, num_slots, fmt, tp_rank=self.tp.rank, tp_size=self.tp.size,
             head_order=self.head_order, conv_dtype=self.state.conv.dtype, device=self.device,
@@ -204,7 +214,10 @@ class ModelRunner:
         slot into the sequence's ``state_slot``.  Conv state and retained units keep their
         restored values."""
         pool = self._pool()
-        omitted = [(row < 0).nonzero()[:, 0].to(self.device) for row in pool.index.unit_pos]
+        if self._omitted_units is None:  # per linear layer: local units the plan omits
+            self._omitted_units = [(row < 0).nonzero()[:, 0].to(self.device)
+                                   for row in pool.index.unit_pos]
+        omitted = self._omitted_units
         dst = torch.tensor([s.state_slot for s in seqs], device=self.device)[:, None]
         src = torch.tensor(scratch_slots, device=self.device)[:, None]
 
@@ -224,5 +237,6 @@ class ModelRunner:
 
     def load_checkpoints(self, ckpt_slots: list[int], active_slots: list[int]) -> None:
         """Checkpoint slots -> active state; omitted units are zero-filled (dasc-nr)."""
+        self._new_occupants(active_slots)
         self._pool().load(self.state.temporal, self.state.conv,
                               torch.tensor(ckpt_slots), torch.tensor(active_slots))

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from model_runner.batch import SeqInput
+from model_runner.checkpoints.pool import CheckpointFormat
 from model_runner.compression.accounting import dense_slot_bytes, report_plan, slots_at_budget
-from model_runner.compression.checkpoint import CheckpointFormat
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.placement import placement_head_order
 from model_runner.compression.plan import ModelIdentity, SelectionPlan, dasc_plan, random_plan
@@ -126,10 +126,11 @@ def measure_prefill_rate(runner: ModelRunner, num_tokens: int) -> float:
 
 
 def row_tables(runner: ModelRunner) -> RowTables:
-    """The rank's copies of the running requests' KV-row tables, as int64 tensors, each
-    checked against the KV pool once, when the plan that carries it arrives; steps then name
-    only their request, so ``execute`` skips the per-step table checks."""
-    return RowTables(runner.check_page_table)
+    """The rank's copies of the running requests' KV-row tables, as int64 tensors on the
+    runner's device, each checked against the KV pool once and uploaded once, when the plan
+    that carries it arrives; steps then name only their request, so ``execute`` neither checks
+    nor uploads a table per step."""
+    return RowTables(lambda table: runner.check_page_table(table).to(runner.device))
 
 
 def execute(runner: ModelRunner, plan: BatchPlan, tables: RowTables,

@@ -14,7 +14,7 @@ sys.modules.setdefault("fla", None)
 import torch  # noqa: E402
 
 from model_runner.batch import SeqInput  # noqa: E402
-from model_runner.compression.checkpoint import CheckpointFormat  # noqa: E402
+from model_runner.checkpoints.pool import CheckpointFormat  # noqa: E402
 from model_runner.compression.horizons import static_horizons  # noqa: E402
 from model_runner.compression.placement import placement_head_order  # noqa: E402
 from model_runner.compression.plan import dasc_plan, dense_plan  # noqa: E402

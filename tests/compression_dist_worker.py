@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
+from model_runner.checkpoints.pool import CheckpointFormat, CheckpointPool
+from model_runner.checkpoints.redistribute import from_storage, to_storage
+from model_runner.compression.balance import balance_storage
 from model_runner.compression.horizons import random_decay_params, static_horizons
 from model_runner.compression.placement import (
     local_units,
@@ -30,7 +32,6 @@ from model_runner.compression.plan import (
     dense_plan,
     random_plan,
 )
-from model_runner.compression.redistribute import balance_storage, from_storage, to_storage
 from model_runner.config import ModelConfig
 
 DATA = Path(__file__).parent / "data" / "compression"

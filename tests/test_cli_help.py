@@ -21,8 +21,8 @@ from loadgen.quality.cli import build_parser as eval_parser
 from loadgen.quality.report import build_parser as report_parser
 from loadgen.quality.study import build_parser as study_parser
 from loadgen.quality.table1b import build_parser as table1b_parser
-from model_runner.compression.cli import build_parser as plan_parser
-from model_runner.compression.cli import main as dasc_plan
+from model_runner.compression.analysis.cli import build_parser as plan_parser
+from model_runner.compression.analysis.cli import main as dasc_plan
 from model_runner.generate import build_parser as generate_parser
 from scheduler.ipc import free_port
 
@@ -139,8 +139,8 @@ def test_plan_table_has_a_legend_and_says_what_it_wrote(tmp_path: Path, capsys) 
 def test_plan_plot_has_integer_ticks_on_integer_axes() -> None:
     import matplotlib.pyplot as plt
 
+    from model_runner.compression.analysis.plot import horizon_figure
     from model_runner.compression.horizons import static_horizons
-    from model_runner.compression.plot import horizon_figure
     from model_runner.compression.weights import load_decay_params
     from model_runner.config import ModelConfig
 

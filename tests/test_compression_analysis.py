@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_runner.compression.analysis import (
+from model_runner.compression.analysis.measures import (
     empirical_horizons,
     median_iqr,
     readout_norms,

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_runner.compression import checkpoint
+from model_runner.checkpoints import pool as checkpoint_pool
+from model_runner.checkpoints.pool import CheckpointFormat, CheckpointPool
 from model_runner.compression.accounting import report_plan
-from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
 from model_runner.compression.horizons import random_decay_params, static_horizons
 from model_runner.compression.placement import head_permutation, local_value_heads
 from model_runner.compression.plan import (
@@ -159,8 +159,8 @@ def test_cpu_paths_equal_kernel_path(name: str, fmt: CheckpointFormat, cpu_path:
                                      monkeypatch) -> None:
     """Both CPU paths (the C runs; torch flat rows where no compiler is) = the kernel path."""
     if cpu_path == "torch":
-        monkeypatch.setattr(checkpoint, "native_library", lambda: None)
-    elif checkpoint.native_library() is None:
+        monkeypatch.setattr(checkpoint_pool, "native_library", lambda: None)
+    elif checkpoint_pool.native_library() is None:
         pytest.skip("no C compiler here")
     cfg = load_cfg(name)
     params = random_decay_params(cfg, seed=11)

@@ -122,3 +122,9 @@ def test_the_load_generator_imports_no_torch():
                            if p.stem != "__init__"))
     assert "loadgen.gateway" in modules
     assert not imports_torch(modules)
+
+
+def test_byte_accounting_imports_no_torch():
+    """Plans, their JSON and their byte accounting, as a torch-free tool would read them."""
+    assert not imports_torch(("model_runner.compression.accounting",
+                              "model_runner.compression.plan", "model_runner.compression.balance"))

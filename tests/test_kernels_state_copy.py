@@ -22,7 +22,7 @@ from kernels.state_copy import (
     native_library,
     quantize_runs,
 )
-from model_runner.compression.checkpoint import CheckpointPool
+from model_runner.checkpoints.pool import CheckpointPool
 from model_runner.compression.plan import ModelIdentity, dense_plan
 from model_runner.config import ModelConfig
 

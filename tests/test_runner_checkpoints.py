@@ -76,7 +76,7 @@ def test_plan_for_other_weights_is_rejected(model, tmp_path):
     make_model(ModelConfig.from_dir(model).linear_kind, other, seed=99,
                **({"linear_num_key_heads": 4, "linear_num_value_heads": 8}
                   if "gdn" in ModelConfig.from_dir(model).linear_kind else {}))
-    from model_runner.compression.checkpoint import CheckpointFormat
+    from model_runner.checkpoints.pool import CheckpointFormat
 
     plan = plans(str(other))["w32"]
     with pytest.raises(PlanError):

@@ -12,7 +12,7 @@ from test_sampling_controls import reference
 
 from dasc_server.flags import parse_args, serve_config
 from model_runner.batch import SeqInput
-from model_runner.compression.checkpoint import CheckpointFormat
+from model_runner.checkpoints.pool import CheckpointFormat
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable
 from model_runner.serve_rank import build_plan, execute, row_tables

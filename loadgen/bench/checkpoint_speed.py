@@ -25,7 +25,7 @@ import time
 import torch
 
 from kernels.state_copy import native_library
-from model_runner.compression.checkpoint import CheckpointFormat, CheckpointPool
+from model_runner.checkpoints.pool import CheckpointFormat, CheckpointPool
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.placement import head_permutation
 from model_runner.compression.plan import ModelIdentity, dasc_plan

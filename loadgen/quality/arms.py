@@ -74,7 +74,7 @@ def expand_arms(arms: list[str], w_max_list: list[float], mask_seeds: list[int])
 def prepare_arm(runner: ModelRunner, arm: str, batch: int, mask_seed: int = RANDOM_SEED):
     """Attach the checkpoint pool a compressed arm stores through (``batch`` slots) and return
     it; ``None`` for the other arms."""
-    from model_runner.compression.checkpoint import CheckpointFormat
+    from model_runner.checkpoints.pool import CheckpointFormat
     from model_runner.compression.horizons import static_horizons
     from model_runner.compression.plan import dasc_plan, random_plan
     from model_runner.compression.weights import load_decay_params

@@ -22,7 +22,7 @@ from client.cli_help import DefaultsHelpFormatter
 from loadgen.quality.tasks import TASKS, make_instances
 from model_runner.batch import SeqInput
 from model_runner.byte_tokenizer import encode_bytes
-from model_runner.compression.analysis import (
+from model_runner.compression.analysis.measures import (
     empirical_horizons,
     median_iqr,
     readout_norms,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from model_runner.compression.balance import balance_storage
 from model_runner.compression.placement import (
     PLACEMENTS,
     check_bundle_split,
@@ -22,7 +23,6 @@ from model_runner.compression.placement import (
     rank_row_counts,
 )
 from model_runner.compression.plan import PlanError, SelectionPlan
-from model_runner.compression.redistribute import balance_storage
 from model_runner.config import ModelConfig
 
 FP32_BYTES = 4

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model_runner.compression.defaults import DEFAULT_EPS, DEFAULT_GATE_INPUT
 from model_runner.config import ModelConfig
-
-DEFAULT_GATE_INPUT = -0.3
-DEFAULT_EPS = 1e-3
 
 
 @dataclass(frozen=True, slots=True)

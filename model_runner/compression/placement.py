@@ -10,8 +10,6 @@ m = nb / T, in that order, and its local units follow the owned bundles in order
 
 from __future__ import annotations
 
-import torch
-
 from model_runner.compression.plan import PlanError, SelectionPlan
 from model_runner.config import ModelConfig
 
@@ -86,11 +84,15 @@ def local_value_heads(
     return [[u // per_head for u in layer[::per_head]] for layer in units]
 
 
-def bundle_weights(plan: SelectionPlan, cfg: ModelConfig) -> torch.Tensor:
-    """Retained units per bundle, int64 [L, nb]."""
+def bundle_weights(plan: SelectionPlan, cfg: ModelConfig) -> list[list[int]]:
+    """Retained units per bundle, [L][nb]: bundle b owns units [b*w, (b+1)*w)."""
     plan.check_config(cfg)
-    mask = plan.mask()  # [L, n]
-    return mask.view(plan.num_layers, num_bundles(cfg), units_per_bundle(cfg)).sum(-1)
+    w = units_per_bundle(cfg)
+    weights = [[0] * num_bundles(cfg) for _ in plan.retained]
+    for row, units in zip(weights, plan.retained, strict=True):
+        for u in units:
+            row[u // w] += 1
+    return weights
 
 
 def rank_layer_counts(
@@ -99,7 +101,7 @@ def rank_layer_counts(
     """r_{l,r}: retained units of layer l held on rank r, [L][T]."""
     check_bundle_split(cfg, tp_size)
     order = check_head_order(cfg, head_order)
-    weights = bundle_weights(plan, cfg).tolist()
+    weights = bundle_weights(plan, cfg)
     counts = [[0] * tp_size for _ in order]
     for l, row in enumerate(order):
         m = len(row) // tp_size
@@ -139,7 +141,7 @@ def head_permutation(plan: SelectionPlan, cfg: ModelConfig, tp_size: int) -> Hea
     maximum, so the bound holds for the result. Deterministic (ties go to lower ids).
     """
     check_bundle_split(cfg, tp_size)
-    weights = bundle_weights(plan, cfg).tolist()  # [L][nb]
+    weights = bundle_weights(plan, cfg)  # [L][nb]
     nb, num_layers = num_bundles(cfg), plan.num_layers
     loads = [0] * tp_size
     owned: list[list[list[int]]] = [[[] for _ in range(tp_size)] for _ in range(num_layers)]

@@ -14,11 +14,15 @@ import math
 import random
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from model_runner.compression.horizons import DEFAULT_EPS, DEFAULT_GATE_INPUT, DecayParams
+from model_runner.compression.defaults import DEFAULT_EPS, DEFAULT_GATE_INPUT
 from model_runner.config import ModelConfig
+
+if TYPE_CHECKING:  # plans, their JSON and their accounting import without torch
+    import torch
+
+    from model_runner.compression.horizons import DecayParams
 
 PLAN_FORMAT = "dasc-plan/1"
 SELECTORS = ("dense", "dasc", "random")
@@ -114,6 +118,8 @@ class SelectionPlan:
 
     def mask(self) -> torch.Tensor:
         """Global-unit mask, bool [L, n_units]."""
+        import torch
+
         m = torch.zeros(self.num_layers, self.num_units, dtype=torch.bool)
         for l, units in enumerate(self.retained):
             m[l, list(units)] = True
@@ -257,7 +263,7 @@ def dasc_plan(
     if w_max == 0:
         return dense_plan(identity, gate_input, eps)
     keep = horizons > w_max  # [L, n]
-    retained = tuple(tuple(torch.nonzero(row).flatten().tolist()) for row in keep)
+    retained = tuple(tuple(row.nonzero().flatten().tolist()) for row in keep)
     window = refresh_window(horizons, ~keep, w_max)
     return SelectionPlan(identity, "dasc", float(w_max), retained, window, gate_input, eps)
 

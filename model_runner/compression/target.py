@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from model_runner.compression.accounting import PlanReport, report_plan
-from model_runner.compression.horizons import DEFAULT_EPS, DEFAULT_GATE_INPUT
+from model_runner.compression.defaults import DEFAULT_EPS, DEFAULT_GATE_INPUT
 from model_runner.compression.plan import ModelIdentity, PlanError, SelectionPlan, dasc_plan
 from model_runner.config import ModelConfig
 

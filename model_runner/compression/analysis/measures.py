@@ -5,8 +5,8 @@ Pure functions over captured tensors of one linear layer (the quality work hooks
     state S  [H, K, V] fp32 at the final prefix position (row [h, k, :] is KDA unit h*K + k)
     query q  [H, K] final query per value head (a GDN caller may pass [H_k, K] key-head queries;
              they are repeated to the value heads, value head h reading key head h // (H / H_k))
-Every measure returns one value per unit in the unit numbering of `horizons.py`: [H] for GDN,
-[H*K] for KDA.
+Every measure returns one value per unit in the unit numbering of `compression/horizons.py`: [H]
+for GDN, [H*K] for KDA.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from scipy.stats import spearmanr
 
-from model_runner.compression.horizons import DEFAULT_EPS
+from model_runner.compression.defaults import DEFAULT_EPS
 
 
 def empirical_horizons(

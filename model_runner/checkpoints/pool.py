@@ -9,7 +9,8 @@ Checkpoint buffers, per slot c in [0, num_slots):
 Rows without storage balancing (rows = R): layer l occupies [o_l, o_l + r_l); ragged
 o_{l+1} = o_l + r_l; padded o_l = l * R_max with padding rows [o_l + r_l, o_l + R_max).
 With storage balancing (placement storage/hybrid) rows = C and the packed rows are spread over
-the group as `redistribute.py` describes; store and load are then collectives.
+the group as `model_runner/compression/balance.py` describes; store and load are then
+collectives (`redistribute.py`).
 Conv dtype: kept as the runner's (BF16 in production, so bytes match the paper's accounting;
 FP32 tiny models stay bit-identical at W_max = 0). The accounting always counts BF16 conv.
 Memory: payload rows [g + N * rows, D] (scales alike) behind g zero rows, g = FlatIndex.group,
@@ -28,7 +29,14 @@ from kernels.int8_quant import dequantize_int8, quantize_int8_inplace
 from kernels.ragged_state import LAYOUTS, build_unit_index
 from kernels.ragged_state_cpu import FlatIndex, Scratch, put_rows, take_rows
 from kernels.state_copy import StateRuns, native_library
-from model_runner.compression.checkpoint_paths import FlatPath, KernelPath, NativePath
+from model_runner.checkpoints.paths import FlatPath, KernelPath, NativePath
+from model_runner.checkpoints.redistribute import (
+    from_storage,
+    int8_from_bytes,
+    int8_to_bytes,
+    to_storage,
+)
+from model_runner.compression.balance import StorageBalance, balance_storage
 from model_runner.compression.placement import (
     PLACEMENTS,
     HeadOrder,
@@ -38,14 +46,6 @@ from model_runner.compression.placement import (
     rank_row_counts,
 )
 from model_runner.compression.plan import ModelIdentity, PlanError, SelectionPlan
-from model_runner.compression.redistribute import (
-    StorageBalance,
-    balance_storage,
-    from_storage,
-    int8_from_bytes,
-    int8_to_bytes,
-    to_storage,
-)
 from model_runner.config import ModelConfig
 
 PAYLOADS = ("fp32", "int8")

@@ -15,7 +15,8 @@ from model_runner.compression.accounting import (
     dense_budget,
     report_plan,
 )
-from model_runner.compression.horizons import DEFAULT_EPS, DEFAULT_GATE_INPUT, static_horizons
+from model_runner.compression.defaults import DEFAULT_EPS, DEFAULT_GATE_INPUT
+from model_runner.compression.horizons import static_horizons
 from model_runner.compression.placement import PLACEMENTS, check_bundle_split
 from model_runner.compression.plan import (
     ModelIdentity,
@@ -137,7 +138,7 @@ def _run(args: argparse.Namespace) -> int:
         chosen.save(args.save_plan)
         print(f"wrote {args.save_plan}", file=sys.stderr)
     if args.plot is not None:
-        from model_runner.compression.plot import plot_horizons
+        from model_runner.compression.analysis.plot import plot_horizons
 
         plot_horizons(cfg, horizons, wmaxes, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
