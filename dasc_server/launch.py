@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from dasc_server.flags import parse_args, serve_config, validate
@@ -185,20 +186,37 @@ def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
             f"load_policy={ckpt.load_policy} prefix_cache={info.config.scheduling.prefix_cache}")
 
 
+def preload_tokenizer(args: argparse.Namespace) -> Future:
+    """The front end's tokenizer (2-3 s, mostly importing transformers), loaded in a daemon
+    thread while the ranks start rather than after them; ``result()`` re-raises its error."""
+    future: Future = Future()
+
+    def load() -> None:
+        try:
+            from model_runner.generate import load_tokenizer
+
+            future.set_result(load_tokenizer(Path(args.model)))
+        except Exception as e:  # noqa: BLE001 - raised where the tokenizer is needed
+            future.set_exception(e)
+
+    threading.Thread(target=load, name="tokenizer", daemon=True).start()
+    return future
+
+
 def serve(args: argparse.Namespace, conn, info: ServerInfo,
-          children: dict[str, subprocess.Popen], sock: socket.socket) -> str | None:
+          children: dict[str, subprocess.Popen], sock: socket.socket,
+          tokenizer: Future) -> str | None:
     """Run the front end on ``sock`` until a signal (None) or a failure (its message)."""
     import uvicorn
 
     from dasc_server.app import FrontEndOptions, create_app
     from dasc_server.engine_client import EngineClient
-    from model_runner.generate import load_tokenizer
 
     name = args.served_model_name or Path(args.model).name
     failure: list[str] = []
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
     options = FrontEndOptions(args.api_key, args.max_request_bytes, args.max_queued_requests)
-    app = create_app(engine, load_tokenizer(Path(args.model)), name, options)
+    app = create_app(engine, tokenizer.result(), name, options)
     class Server(uvicorn.Server):
         """uvicorn re-raises a caught SIGINT/SIGTERM once it has shut down, which would kill
         this process before it stops the scheduler and the ranks; here a signal is a normal
@@ -270,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.node_rank > 0:
         return run_worker_node(children["ranks"], errors)
     conn = failure = None
+    tokenizer = preload_tokenizer(args)
     try:
         conn, info = wait_ready(args, children)
-        failure = serve(args, conn, info, children, sock)
+        failure = serve(args, conn, info, children, sock, tokenizer)
     except (RuntimeError, OSError) as e:
         failure = str(e)
     except KeyboardInterrupt:
