@@ -14,6 +14,7 @@ import time
 import pytest
 from serving import KIMI, running_server
 
+from dasc_server import launch
 from dasc_server.spawn import descendants
 from scheduler.ipc import free_port
 
@@ -201,18 +202,16 @@ def test_a_busy_or_invalid_port_fails_before_any_model_loads():
         code, out, seconds = run_launcher("--port", str(port))
     assert code == 2 and seconds < 15  # no child started: the port is bound first
     assert the_error(out) == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
-    code, out, _ = run_launcher("--port", "70000")
-    assert code == 2 and the_error(out) == "error: --port must lie in [1, 65535] (got 70000)"
 
 
-def test_a_missing_cuda_device_fails_before_anything_starts():
+def test_a_missing_cuda_device_fails_before_anything_starts(capfd):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible here")
-    code, out, seconds = run_launcher("--device", "cuda")
-    assert code == 2 and seconds < 15
-    assert the_error(out) == "error: --device cuda needs 1 CUDA device(s) on this node, 0 visible"
+    code, err = launch_in_process(capfd, "--model", str(KIMI), "--device", "cuda")
+    assert code == 2
+    assert err.strip() == "error: --device cuda needs 1 CUDA device(s) on this node, 0 visible"
 
 
 def test_a_dead_scheduler_ends_the_server_and_its_ranks():
@@ -229,19 +228,26 @@ def test_a_dead_scheduler_ends_the_server_and_its_ranks():
         wait_group_gone(server.proc.pid)
 
 
-def test_bad_arguments_fail_before_anything_starts(tmp_path):
-    cmd = [sys.executable, "-m", "dasc_server.launch", "--model", str(tmp_path), "--port", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: ") and "config.json" in proc.stderr
-    proc = subprocess.run([*cmd[:-4], "--model", str(KIMI), "--tp", "3"], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 2 and "error: " in proc.stderr
+def launch_in_process(capfd, *flags: str) -> tuple[int, str]:
+    """dasc-serve's ``main`` in this process, for flags it must refuse before it starts
+    anything: (exit code, stderr); it fails the test if a child process was started."""
+    before = set(descendants(os.getpid()))
+    capfd.readouterr()
+    code = launch.main(list(flags))
+    assert set(descendants(os.getpid())) <= before, "a child started for refused flags"
+    return code, capfd.readouterr().err
+
+
+def test_bad_arguments_fail_before_anything_starts(tmp_path, capfd):
+    code, err = launch_in_process(capfd, "--model", str(tmp_path), "--port", "0")
+    assert code == 2 and err.startswith("error: ") and "config.json" in err
+    code, err = launch_in_process(capfd, "--model", str(KIMI), "--tp", "3")
+    assert code == 2 and "error: " in err
     for flags, message in ((["--tp", "0"], "--tp must be at least 1 (got 0)"),
-                           (["--wmax", "-5"], "--wmax must be >= 0 (got -5.0)")):
-        proc = subprocess.run([*cmd[:-4], "--model", str(KIMI), *flags], capture_output=True,
-                              text=True, timeout=60)
-        assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}"
+                           (["--wmax", "-5"], "--wmax must be >= 0 (got -5.0)"),
+                           (["--port", "70000"], "--port must lie in [1, 65535] (got 70000)")):
+        code, err = launch_in_process(capfd, "--model", str(KIMI), *flags)
+        assert code == 2 and err.strip() == f"error: {message}"
 
 
 def test_step_target_derives_the_prefill_budget_from_the_ranks_measurement():
