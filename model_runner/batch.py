@@ -13,9 +13,9 @@ placeholders that no layer reads.
 
 A step may carry dasc-wr *replays* ahead of its sequences (``Refresh``): the batch's first
 ``num_replays`` sequences replay windows of cached tokens from zeroed scratch slots over the
-read-only KV.  They write no KV and return no logits; in every linear layer their recurrence runs
-first and ``merge`` then copies the omitted units into the restored slots, so a hit's own tokens
-in the same step already read the refreshed state.
+read-only KV.  They write no KV and return no logits; in every linear layer their recurrence
+runs first and ``Refresh.merge`` then copies the omitted units into the restored slots, so a
+hit's own tokens in the same step already read the refreshed state.
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ class ForwardBatch:
     kv_write_index: torch.Tensor  # [N - replay_tokens] KV-pool row of each written token
     kv_read_index: list[torch.Tensor]  # per sequence: flat rows of positions [0, prefix + n)
     is_decode: bool  # every sequence brings exactly one token (never with replays)
-    num_replays: int = 0  # leading sequences that replay cached KV (module docstring)
-    merge: Callable[[int], None] | None = None  # Refresh.merge, with replays
+    refresh: Refresh | None = None  # its seqs lead the batch (module docstring)
     kv_table: torch.Tensor | None = None  # [B, C] static decode: KV rows of positions [0, C)
     kv_lens: torch.Tensor | None = None  # [B] static decode: valid table columns [0, len)
     # [B - num_replays] row of each (non-replay) sequence's last token
@@ -65,6 +64,10 @@ class ForwardBatch:
     def __post_init__(self) -> None:
         self.last_token_index = torch.tensor(self.cu_seqlens[self.num_replays + 1 :],
                                              dtype=torch.long) - 1
+
+    @property
+    def num_replays(self) -> int:
+        return len(self.refresh.seqs) if self.refresh is not None else 0
 
     @property
     def replay_tokens(self) -> int:
@@ -129,6 +132,5 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
         kv_write_index=write_rows.to(device),
         kv_read_index=read,
         is_decode=not replays and all(len(s.token_ids) == 1 for s in seqs),
-        num_replays=len(replays),
-        merge=refresh.merge if refresh is not None else None,
+        refresh=refresh,
     )

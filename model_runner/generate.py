@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -89,16 +88,12 @@ def validate(args: argparse.Namespace) -> list[int]:
 
 
 def run_rank(args: argparse.Namespace, ids: list[int]) -> None:
-    import torch
 
     from model_runner.engine import OfflineEngine
-    from model_runner.parallel import init_tp_group, shutdown_tp_group
+    from model_runner.parallel import init_tp_group, rank_device, shutdown_tp_group
     from model_runner.runner import ModelRunner, RunnerConfig
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = rank_device(args.device)
     tp = init_tp_group(device)
     page_size = 16
     num_pages = -(-(len(ids) + args.max_new_tokens) // page_size) + 1

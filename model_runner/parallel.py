@@ -59,6 +59,16 @@ class TPGroup:
             dist.barrier()
 
 
+def rank_device(name: str) -> torch.device:
+    """The device this rank runs on: on CUDA the GPU of its ``LOCAL_RANK`` (torchrun), made
+    current."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def init_tp_group(device: torch.device) -> TPGroup:
     """Join the torchrun world (gloo on CPU, NCCL on CUDA); a plain process is a group of one."""
     size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -28,7 +28,7 @@ from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cpu_features import emulated_bf16_note
 from model_runner.grammar import TokenizerCache
-from model_runner.parallel import TPGroup, init_tp_group, shutdown_tp_group
+from model_runner.parallel import TPGroup, init_tp_group, rank_device, shutdown_tp_group
 from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
@@ -71,10 +71,7 @@ def checkpoint_slots(ranks: RankConfig, slot_bytes: int) -> int:
 
 def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
     ranks, sched, spec = config.ranks, config.scheduling, config.checkpoints
-    device = torch.device(ranks.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = rank_device(ranks.device)
     tp = init_tp_group(device)
     cfg = ModelConfig.from_dir(config.model)
     rc = RunnerConfig(config.model, dtype=ranks.dtype, device=str(device),

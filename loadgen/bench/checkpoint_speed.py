@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -31,7 +30,7 @@ from model_runner.compression.placement import head_permutation
 from model_runner.compression.plan import ModelIdentity, dasc_plan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import DEFAULT_MODEL, ModelConfig
-from model_runner.parallel import init_tp_group, shutdown_tp_group
+from model_runner.parallel import init_tp_group, rank_device, shutdown_tp_group
 
 FORMATS = (("ragged", "fp32"), ("padded", "fp32"), ("ragged", "int8"))
 
@@ -92,14 +91,6 @@ def bench_one(cfg, plan, fmt, tp, args, gen) -> dict:
                 load_vs_slot_copy=slot_bytes / load_s / 1e9 / slot_copy)
 
 
-def pick_device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -111,7 +102,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     args = p.parse_args()
-    args.device = pick_device(args.device)
+    args.device = rank_device(args.device)
     tp = init_tp_group(args.device)
     cfg = ModelConfig.from_dir(args.model)
     params = load_decay_params(args.model, cfg)

@@ -24,7 +24,7 @@ import torch
 from model_runner.batch import SeqInput
 from model_runner.config import DEFAULT_MODEL
 from model_runner.cpu_features import cpu_has_native_bf16
-from model_runner.parallel import init_tp_group, shutdown_tp_group
+from model_runner.parallel import init_tp_group, rank_device, shutdown_tp_group
 from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 
@@ -52,10 +52,7 @@ def main() -> None:
                    help="decode through model_runner.cuda_graph: replayed CUDA graphs on cuda, "
                         "the same fixed-shape step eagerly on cpu")
     args = p.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = rank_device(args.device)
     tp = init_tp_group(device)
     page = 16
     if any(not 0 < c <= args.prompt_len for c in args.mixed_chunks):

@@ -82,7 +82,7 @@ def _sdpa_causal(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
 
 def store_kv(batch: ForwardBatch, cache: torch.Tensor, entries: torch.Tensor) -> None:
     """Write the new tokens' KV entries [N, ...] into their pool rows; replays write none."""
-    cache[batch.kv_write_index] = entries[batch.replay_tokens :] if batch.num_replays else entries
+    cache[batch.kv_write_index] = entries[batch.replay_tokens :]
 
 
 def paged_attention(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expand,

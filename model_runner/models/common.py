@@ -51,7 +51,7 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
     """Gated delta rule from / into each sequence's temporal state; returns o [N, Hv, V] FP32.
     ``operand_dtype``: the model's dtype, which fla's kernels read q, k, v and beta in.
     A step with dasc-wr replays runs them first, merges the omitted units into the hits' slots
-    (``batch.merge``), then runs its own sequences from the merged states."""
+    (``Refresh.merge``), then runs its own sequences from the merged states."""
     batch, pool = ctx.batch, ctx.state.temporal[layer]
     args = (scale, operand_dtype)
     if batch.num_replays:
@@ -59,7 +59,7 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
         cu, slots = batch.cu_seqlens, batch.state_slots
         replayed = _recurrence(pool, slots[:r], cu[: r + 1], *args, q[:t], k[:t], v[:t], g[:t],
                                beta[:t])
-        batch.merge(layer)
+        batch.refresh.merge(layer)
         rest = _recurrence(pool, slots[r:], [c - t for c in cu[r:]], *args, q[t:], k[t:], v[t:],
                            g[t:], beta[t:])
         o = torch.cat([replayed, rest])
