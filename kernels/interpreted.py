@@ -6,7 +6,7 @@ picks the compiler or the interpreter when a decorator runs, and the `@jit` help
 Setting it inside a test process would leak into every other module that uses Triton, so the
 calls run in a fresh child process instead: inputs and outputs travel through `torch.save`.
 
-Usage (tests): `run_interpreted("kernels.int8_quant", [("quantize_int8_triton", (x,))])`.
+Usage (tests): `run_interpreted("kernels.int8_quant.triton", [("quantize_int8_triton", (x,))])`.
 Child entry point: `python -m kernels.interpreted REQUEST RESULT`.
 """
 

@@ -21,8 +21,9 @@ from conftest import ROOT
 from hopper_aot import Launch, build_key, captured_launches, compile_for_hopper
 from triton.runtime.jit import JITFunction
 
-from kernels.int8_quant import dequantize_int8_triton, quantize_int8_triton
-from kernels.ragged_state import build_unit_index, gather_units_triton, scatter_units_triton
+from kernels.int8_quant.triton import dequantize_int8_triton, quantize_int8_triton
+from kernels.ragged_state import build_unit_index
+from kernels.ragged_state.triton import gather_units_triton, scatter_units_triton
 
 SPILL_LIMIT_BYTES = 0  # the checkpoint kernels are streaming copies: nothing should spill
 NUM_SLOTS, NUM_CKPT_SLOTS, NUM_REQS = 16, 4, 2  # strides stay i32 and 16-divisible
@@ -33,7 +34,8 @@ MODELS = {
     "qwen3-next-tiny": ("gdn", 8, 32, 32, 4, (1,)),
     "kimi-linear-tiny": ("kda", 4, 32, 32, 4, (1,)),
 }
-KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
+KERNEL_MODULES = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                        for p in (ROOT / "kernels").rglob("*.py") if p.stem != "__init__")
 
 
 def checkpoint_pool_launches(arch: str, heads: int, k: int, v: int, layers: int) -> None:
@@ -59,11 +61,11 @@ def checkpoint_pool_launches(arch: str, heads: int, k: int, v: int, layers: int)
 
 def project_kernels() -> dict[str, JITFunction]:
     found = {}
-    for path in KERNEL_FILES:
-        module = importlib.import_module(f"kernels.{path.stem}")
+    for module_name in KERNEL_MODULES:
+        module = importlib.import_module(module_name)
         for name, obj in vars(module).items():
             if isinstance(obj, JITFunction) and obj.fn.__module__ == module.__name__:
-                found[f"{path.stem}.{name}"] = obj
+                found[f"{module_name}.{name}"] = obj
     return found
 
 

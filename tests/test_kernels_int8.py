@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int8_quant import (
+from kernels.int8_quant import dequantize_int8, quantize_int8
+from kernels.int8_quant.naive import (
     INT8_MAX,
     SCALE_EPS,
-    dequantize_int8,
     dequantize_int8_ref,
-    quantize_int8,
     quantize_int8_inplace,
     quantize_int8_ref,
 )
@@ -160,7 +159,7 @@ def triton_results() -> dict[str, tuple]:
             ("dequantize_int8_triton", (q, scale)),
             ("dequantize_int8_triton", (q, scale, torch.full(q.shape, float("nan")))),
         ]
-    out = run_interpreted("kernels.int8_quant", calls)
+    out = run_interpreted("kernels.int8_quant.triton", calls)
     return {name: tuple(out[3 * i : 3 * i + 3]) for i, name in enumerate(TRITON_CASES)}
 
 

@@ -1,5 +1,5 @@
 """Ragged gather / scatter of state units: index builders, torch reference, Triton kernels, and
-the CPU flat-row path (`kernels/ragged_state_cpu.py`) against the reference.
+the CPU flat-row path (`kernels/ragged_state/flat_rows.py`) against the reference.
 
 The Triton kernels run under the Triton interpreter in a child process (`run_interpreted`), so
 `TRITON_INTERPRET` never leaks into this test process.
@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from kernels.interpreted import run_interpreted
-from kernels.ragged_state import (
-    build_unit_index,
-    gather_units,
-    gather_units_ref,
-    layer_offsets,
-    scatter_units,
-    scatter_units_ref,
-)
-from kernels.ragged_state_cpu import (
+from kernels.ragged_state import build_unit_index, gather_units, layer_offsets, scatter_units
+from kernels.ragged_state.flat_rows import (
     FlatIndex,
     Scratch,
     load_rows,
@@ -30,6 +23,7 @@ from kernels.ragged_state_cpu import (
     stage_units,
     take_rows,
 )
+from kernels.ragged_state.naive import gather_units_ref, scatter_units_ref
 
 NUM_SLOTS, NUM_CKPT = 7, 5
 SRC_SLOTS = [5, 1, 3]  # active slots, not contiguous, not sorted
@@ -205,7 +199,7 @@ def triton_results() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     for case in CASES:
         gather_args, scatter_args = _inputs(case)
         calls += [("gather_units_triton", gather_args), ("scatter_units_triton", scatter_args)]
-    out = run_interpreted("kernels.ragged_state", calls)
+    out = run_interpreted("kernels.ragged_state.triton", calls)
     return {case.name: (out[2 * i], out[2 * i + 1]) for i, case in enumerate(CASES)}
 
 

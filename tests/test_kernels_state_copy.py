@@ -1,4 +1,4 @@
-"""The one-pass CPU checkpoint kernels (`kernels/state_copy.py`, `csrc/state_copy.c`): runs
+"""The one-pass CPU checkpoint kernels (`kernels/ragged_state/native.py` over `native.c`): runs
 against the torch references bit for bit (fp32 and INT8, ragged and padded, partial, empty and
 full layers), slot checking, and the build's fallbacks."""
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.int8_quant import dequantize_int8_ref, quantize_int8_ref
-from kernels.ragged_state import build_unit_index, gather_units_ref, scatter_units_ref
-from kernels.state_copy import (
+from kernels.int8_quant.naive import dequantize_int8_ref, quantize_int8_ref
+from kernels.ragged_state import build_unit_index
+from kernels.ragged_state.naive import gather_units_ref, scatter_units_ref
+from kernels.ragged_state.native import (
     StateRuns,
     check_slots,
     copy_runs,
@@ -158,7 +159,8 @@ def test_non_finite_rows_give_torch_scales_and_defined_codes():
 
 def _library_in_child(env: dict[str, str]) -> subprocess.CompletedProcess:
     code = ("import warnings; warnings.simplefilter('always');"
-            "from kernels.state_copy import native_library; print(native_library() is None)")
+            "from kernels.ragged_state.native import native_library;"
+            "print(native_library() is None)")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **env})
 
@@ -166,7 +168,7 @@ def _library_in_child(env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_library_builds_into_its_cache_and_falls_back(tmp_path):
     built = _library_in_child({"DASC_CACHE_DIR": str(tmp_path / "ok")})
     assert built.stdout.strip() == "False", built.stderr
-    assert len(list((tmp_path / "ok").glob("state_copy-*.so"))) == 1
+    assert len(list((tmp_path / "ok").glob("ragged_state-*.so"))) == 1
     off = _library_in_child({"DASC_NATIVE_KERNELS": "0"})
     assert off.stdout.strip() == "True" and "not built" not in off.stderr
     broken = _library_in_child({"DASC_CACHE_DIR": str(tmp_path / "bad"), "CC": "false"})

@@ -10,8 +10,8 @@ One CheckpointPool per (W_max, format) on the model's real decay weights; every 
 a same-sized fp32 buffer; `load/slot copy` compares a load with a copy of the whole active
 slots it writes (retained units, zeros for omitted ones, conv state). Rank 0 prints one JSON
 line per row, then a markdown table.
-On CPU the pool runs the one-pass C kernels (kernels/state_copy.py); DASC_NATIVE_KERNELS=0
-measures the torch flat-row fallback instead.
+On CPU the pool runs the one-pass C kernels (kernels/ragged_state/native.py);
+DASC_NATIVE_KERNELS=0 measures the torch flat-row fallback instead.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kernels.state_copy import native_library
+from kernels.ragged_state.native import native_library
 from model_runner.checkpoints.pool import CheckpointFormat, CheckpointPool
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.placement import head_permutation

@@ -25,11 +25,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.int8_quant import dequantize_int8, quantize_int8_inplace
-from kernels.ragged_state import LAYOUTS, build_unit_index
-from kernels.ragged_state_cpu import FlatIndex, Scratch, put_rows, take_rows
-from kernels.state_copy import StateRuns, native_library
-from model_runner.checkpoints.paths import FlatPath, KernelPath, NativePath
+from kernels.int8_quant import dequantize_int8
+from kernels.int8_quant.naive import quantize_int8_inplace
+from kernels.ragged_state.flat_rows import FlatIndex, Scratch, put_rows, take_rows
+from kernels.ragged_state.layout import LAYOUTS, build_unit_index
+from kernels.ragged_state.native import StateRuns, native_library
+from model_runner.checkpoints.backends import (
+    CheckpointBackend,
+    NativeBackend,
+    TorchFlatBackend,
+    TritonBackend,
+)
 from model_runner.checkpoints.redistribute import (
     from_storage,
     int8_from_bytes,
@@ -148,8 +154,8 @@ class CheckpointPool:
         self.scratch = Scratch(self.device)  # CPU staging buffers
         self.runs = StateRuns.of(self.index, self.unit_dim)  # CPU one-pass runs
         self.slot_bytes = self.temporal.stride(0) * self.temporal.element_size()
-        self._kernels, self._native, self._flat_rows = (KernelPath(self), NativePath(self),
-                                                       FlatPath(self))
+        self._triton, self._native, self._torch_flat = (TritonBackend(self), NativeBackend(self),
+                                                        TorchFlatBackend(self))
 
     # ---- sizes ------------------------------------------------------------------------------
     @property
@@ -169,7 +175,7 @@ class CheckpointPool:
         self._check_call(pool, conv, src_slots, dst_slots)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():  # ranks of a balanced pool all skip an empty call together
-            self._path(pool, conv).store(pool, conv, src, dst)
+            self._backend(pool, conv).store(pool, conv, src, dst)
 
     def load(self, temporal: torch.Tensor, conv: torch.Tensor, src_slots: torch.Tensor,
              dst_slots: torch.Tensor) -> None:
@@ -182,19 +188,19 @@ class CheckpointPool:
         self._check_call(pool, conv, src_slots, dst_slots)
         src, dst = src_slots.to(self.device), dst_slots.to(self.device)
         if src.numel():
-            self._path(pool, conv).load(pool, conv, src, dst)
+            self._backend(pool, conv).load(pool, conv, src, dst)
 
-    def _path(self, pool: torch.Tensor, conv: torch.Tensor):
-        """Contiguous CPU state: the one-pass C runs when the library is built, else torch's
-        flat rows; CUDA or strided state: the kernel path."""
+    def _backend(self, pool: torch.Tensor, conv: torch.Tensor) -> CheckpointBackend:
+        """CUDA or strided state: Triton; contiguous CPU state: the one-pass C library when it
+        is built (not with DASC_NATIVE_KERNELS=0), else torch's flat rows."""
         if pool.device.type != "cpu" or not pool.is_contiguous() or not conv.is_contiguous():
-            return self._kernels
-        return self._native if native_library() is not None else self._flat_rows
+            return self._triton
+        return self._native if native_library() is not None else self._torch_flat
 
-    # ---- what the paths share ---------------------------------------------------------------
+    # ---- what the backends share ------------------------------------------------------------
     def store_packed(self, packed, dst) -> None:
         """Packed rows [B, R, D] fp32 (overwritten) -> checkpoint slots dst: balance and
-        quantise as the format asks."""
+        quantise as the format asks (the CPU backends' store)."""
         shape, buffer = packed.shape, self.scratch.get
         if self.scale is None:
             put_rows(self.temporal.flatten(1), dst, self.balance_out(packed).flatten(1))

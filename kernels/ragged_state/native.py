@@ -2,17 +2,17 @@
 
 torch has no single-pass indexed copy on CPU (a gather then an indexed write moves every byte
 twice, and rows of one 128-byte unit cost a call each), so the checkpoint pool's CPU path runs
-`csrc/state_copy.c`: for each slot pair it walks a list of runs (source offset, destination
-offset, length) that `StateRuns` derives once per pool from its `UnitIndex`, and moves each
-with one memcpy (memset for omitted units), or quantises / dequantises it to INT8 on the way.
-A dense plan is one run per layer; a W_max plan one run per stretch of consecutive retained
-units, so a load's time falls with the stored bytes.
+`native.c` (beside this file): for each slot pair it walks a list of runs (source offset,
+destination offset, length) that `StateRuns` derives once per pool from its `UnitIndex`, and
+moves each with one memcpy (memset for omitted units), or quantises / dequantises it to INT8 on
+the way. A dense plan is one run per layer; a W_max plan one run per stretch of consecutive
+retained units, so a load's time falls with the stored bytes.
 
 The library is compiled on first use with the system C compiler (`$CC`, else `cc`/`gcc`;
 about 0.2 s) into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory
 when that is unusable), keyed by the source, compiler and flags.
 Without a compiler, or with `DASC_NATIVE_KERNELS=0`, `native_library()` is None and the pool
-uses the torch flat-row path of `ragged_state_cpu.py`. The C code trusts its arguments: callers
+uses the torch flat-row path of `flat_rows.py`. The C code trusts its arguments: callers
 check slot ids (`check_slots`) and buffer shapes first.
 """
 
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.ragged_state import UnitIndex
+from kernels.ragged_state.layout import UnitIndex
 
 Tensor = torch.Tensor
-SOURCE = Path(__file__).with_name("csrc") / "state_copy.c"
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
@@ -66,7 +66,7 @@ def _build(compiler: list[str], cache_dir: Path) -> Path:
     """Compile the library once per (source, flags, compiler, machine); concurrent builders
     (several ranks) each write a temporary file and rename it into place."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join((*compiler, *FLAGS)).encode())
-    target = cache_dir / f"state_copy-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    target = cache_dir / f"ragged_state-{platform.machine()}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -2,11 +2,12 @@
  *
  * A slot's data is addressed as base + slot * stride; a run names an offset in the source slot,
  * an offset in the destination slot and a length. Runs are precomputed once per checkpoint pool
- * (kernels/state_copy.py), so a call is one memcpy (or memset) per run and slot: the physical
- * minimum of a store or load is a copy of the stored bytes.
+ * (kernels/ragged_state/native.py), so a call is one memcpy (or memset) per run and slot: the
+ * physical minimum of a store or load is a copy of the stored bytes.
  *
- * INT8 (paper eq. 10, the same bits as kernels/int8_quant.py's torch reference): per row of V
- * values s = max(amax|x|, 1e-8) / 127, q = clip(round_half_even(x / s), -127, 127); x' = q * s.
+ * INT8 (paper eq. 10, the same bits as the torch reference kernels/int8_quant/naive.py): per row
+ * of V values s = max(amax|x|, 1e-8) / 127, q = clip(round_half_even(x / s), -127, 127);
+ * x' = q * s.
  * Built without -ffast-math and with -ffp-contract=off, so every division, product and rounding
  * is the IEEE one torch computes.
  */

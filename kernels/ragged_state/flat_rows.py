@@ -10,7 +10,7 @@ by element; written as 16-byte elements, whole blocks still move near memcpy spe
   (layer, slot) blocks (`put_units`). When at most a quarter of the units are retained
   (`FlatIndex.is_sparse`), a load instead zero-fills those blocks, gathers only the stored rows
   and writes them row by row, which moves fewer rows in all.
-Buffers and layouts are those of `ragged_state.py`; results equal `gather_units_ref` /
+Buffers and layouts are this package's; results equal `naive.py`'s `gather_units_ref` /
 `scatter_units_ref` bit for bit.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.ragged_state import UnitIndex
+from kernels.ragged_state.layout import UnitIndex
 
 Tensor = torch.Tensor
 

@@ -1,14 +1,7 @@
-"""Symmetric per-row INT8 quantisation of recurrent-state checkpoints.
+"""Triton kernels of the INT8 quantiser (rules: this package's docstring), for CUDA tensors or
+CPU ones under the Triton interpreter.
 
-A row is the value dim V of one (layer, head, key channel): for GDN the K rows of each head state
-`[K, V]`, for KDA one unit. Per row: `s = max(amax(|x|), 1e-8) / 127`,
-`q = clip(round_half_even(x / s), -127, 127)` (int8); dequantisation is `x' = q * s` in FP32.
-
-Non-finite rows stay non-finite, so corrupted state cannot turn finite in a checkpoint: a row
-holding a NaN gets a NaN scale, one holding +-inf (and no NaN) an inf scale, and every code of such
-a row is 0 (the quotients are NaN or 0); dequantised, the row is all NaN.
-
-The Triton kernels reproduce the torch reference bit for bit: both divide with IEEE
+They reproduce the torch reference (`naive.py`) bit for bit: both divide with IEEE
 round-to-nearest (`tl.div_rn`; Triton's plain `/` may be approximate on GPUs) and round half to
 even (done explicitly in Triton, which has no such rounding builtin).
 """
@@ -19,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-INT8_MAX = 127
-SCALE_EPS = 1e-8
+from kernels.int8_quant.naive import INT8_MAX, SCALE_EPS, check_dequantize_args
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -33,49 +25,6 @@ def _block_sizes(num_rows: int, dim: int) -> tuple[int, int]:
     block_v = min(triton.next_power_of_2(dim), 1024)  # longer rows are walked in chunks
     block_n = min(triton.next_power_of_2(num_rows), max(1, 4096 // block_v))
     return block_n, block_v
-
-
-# ---------------------------------------------------------------- torch reference
-
-
-def quantize_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of `quantize_int8`."""
-    x = x.float()  # [..., V]
-    amax = x.abs().amax(dim=-1)  # [...]
-    # Divide by a tensor, not a Python scalar: CUDA turns `t / 127` into `t * (1 / 127)`, which
-    # is not the correctly rounded quotient the kernel computes.
-    scale = amax.clamp_min(SCALE_EPS) / torch.full_like(amax, INT8_MAX)  # [...]
-    q = torch.round(x / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
-
-
-def quantize_int8_inplace(
-    x: torch.Tensor, q: torch.Tensor | None = None, work: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_int8_ref` of a contiguous fp32 `x`, computed in place: x is overwritten.
-
-    The same operations in the same order (identical bits) without fp32 temporaries: `q` (int8)
-    and `work` (fp32), both contiguous and shaped like x, receive the result and |x| if given.
-    The checkpoint pool's CPU store quantises its staging buffer this way.
-    """
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"need a contiguous float32 tensor, got {x.dtype} {tuple(x.stride())}")
-    amax = (x.abs() if work is None else torch.abs(x, out=work)).amax(dim=-1)  # [...]
-    scale = amax.clamp_min_(SCALE_EPS).div_(torch.full_like(amax, INT8_MAX))  # [...]
-    x.div_(scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX)
-    q = x.to(torch.int8) if q is None else q.copy_(x)  # the same float -> int8 cast
-    return q, scale
-
-
-def dequantize_int8_ref(
-    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Torch reference of `dequantize_int8`."""
-    x = q.float() if out is None else out.copy_(q)  # int8 -> fp32 is exact
-    return x.mul_(scale[..., None])  # [..., V]
-
-
-# ---------------------------------------------------------------- Triton
 
 
 @triton.jit
@@ -158,7 +107,7 @@ def dequantize_int8_triton(
     q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Triton implementation of `dequantize_int8` (CUDA, or CPU under the Triton interpreter)."""
-    _check_dequantize_args(q, scale, out)
+    check_dequantize_args(q, scale, out)
     rows = _rows(q).contiguous()  # [N, V]
     scale = scale.reshape(-1).float().contiguous()  # [N]
     if out is None:
@@ -172,39 +121,3 @@ def dequantize_int8_triton(
         rows, scale, out, num_rows, dim, dim, dim, BLOCK_N=block_n, BLOCK_V=block_v
     )
     return out
-
-
-def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None) -> None:
-    if q.dtype != torch.int8 or scale.shape != q.shape[:-1]:
-        raise ValueError(
-            f"want int8 q [..., V] and scale [...], got {q.dtype} {tuple(scale.shape)}"
-        )
-    if out is not None and (
-        out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous()
-    ):
-        raise ValueError("out must be a contiguous float32 tensor shaped like q")
-
-
-# ---------------------------------------------------------------- dispatch
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise `x` `[..., V]` per row over V; returns q `[..., V]` int8 and scale `[...]` fp32.
-
-    `s = max(amax(|x|), 1e-8) / 127`, `q = clip(round(x / s), -127, 127)`, round half to even.
-    Uses Triton on CUDA tensors and the torch reference otherwise; both give identical bits.
-    """
-    return quantize_int8_triton(x) if x.is_cuda else quantize_int8_ref(x)
-
-
-def dequantize_int8(
-    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Dequantise q `[..., V]` int8 with scale `[...]` into FP32 `q * s`, written to `out` if given.
-
-    `out` must be a contiguous float32 tensor shaped like q. Returns the result tensor.
-    """
-    if q.is_cuda:
-        return dequantize_int8_triton(q, scale, out)
-    _check_dequantize_args(q, scale, out)
-    return dequantize_int8_ref(q, scale, out)
