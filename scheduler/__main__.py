@@ -28,7 +28,8 @@ from scheduler.messages import (
     TokenBatch,
 )
 from scheduler.policy import SchedulePolicy
-from scheduler.scheduler import Scheduler, SchedulerConfig, prefill_budget
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig, prefill_budget
 from scheduler.serve_config import SchedulingConfig, ServeConfig
 
 IDLE_POLL_S = 0.5

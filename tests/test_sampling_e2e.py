@@ -17,7 +17,8 @@ from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable
 from model_runner.serve_rank import build_plan, execute, row_tables
 from scheduler.messages import SamplingParams, StepResult
-from scheduler.scheduler import Scheduler, SchedulerConfig, active_state_slots
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig, active_state_slots
 
 ROWS, RUNNING = 512, 4
 PROMPT = list(b"The grass is green. The sky is blue. The grass is")

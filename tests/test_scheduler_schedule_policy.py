@@ -2,13 +2,13 @@
 the shortest remaining prefill first (hits before misses, the longest cached prefix first),
 keeps misses' prefill out of a step of hits, and bounds how often a request can be passed.
 
-Every plan runs on test_scheduler_policy's FakeRanks, which checks rows, slots and checkpoints
+Every plan runs on the FakeRanks of tests/fake_ranks.py, which checks rows, slots and checkpoints
 symbolically, so a reordering that breaks the cache's books fails here too."""
 
 from __future__ import annotations
 
 import pytest
-from test_scheduler_policy import Loop, assert_drained, make, prompt_of, random_tokens
+from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens
 
 from scheduler.policy import POLICIES, SchedulePolicy, count_passes
 from scheduler.request import Req

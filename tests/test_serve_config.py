@@ -35,7 +35,8 @@ from scheduler.messages import (
     TokenBatch,
     TokenOut,
 )
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.serve_config import LoadPolicy, Payload, ServeConfig
 
 # the launcher's own flags: HTTP, torchrun, timeouts, the key; every other flag is config

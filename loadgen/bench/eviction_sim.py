@@ -22,7 +22,8 @@ from loadgen.workload import Request, multi_turn, shared_prefix
 from scheduler.admission import CKPT_ADMISSIONS
 from scheduler.messages import SamplingParams, StepResult
 from scheduler.radix_cache import CKPT_EVICTIONS
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
 
 VOCAB = 256
 
