@@ -4,7 +4,8 @@ the checkpoints stored at chunk ends, sampled tokens and finishes, and the step'
 
 from __future__ import annotations
 
-from scheduler.messages import StepResult, TokenOut
+from scheduler.messages import TokenOut
+from scheduler.rank_messages import StepResult
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.step_planner import InFlight

@@ -15,9 +15,10 @@ from collections import deque
 from dataclasses import replace
 
 from scheduler.admission import check_admission
-from scheduler.messages import BatchPlan, Counters, SamplingParams, StepResult, TokenOut
+from scheduler.messages import Counters, SamplingParams, TokenOut
 from scheduler.pools import IndexPool
 from scheduler.radix_cache import RadixCache
+from scheduler.rank_messages import BatchPlan, StepResult
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.result_processor import process_result

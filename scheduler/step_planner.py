@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from scheduler.admission import store_points
-from scheduler.messages import BatchPlan, LogitControls, Sample, SeqStep
 from scheduler.policy import count_passes
 from scheduler.radix_cache import Node
+from scheduler.rank_messages import BatchPlan, LogitControls, Sample, SeqStep
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.scheduler_config import SchedulerConfig

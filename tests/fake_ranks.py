@@ -8,8 +8,8 @@ from __future__ import annotations
 from radix_helpers import prefix_hashes
 
 from scheduler.admission import MIN_BRANCH_GAIN
-from scheduler.messages import BatchPlan, RowTables, SeqStep
 from scheduler.radix_cache import Node
+from scheduler.rank_messages import BatchPlan, RowTables, SeqStep
 from scheduler.scheduler import Scheduler
 from scheduler.serve_config import LoadPolicy
 

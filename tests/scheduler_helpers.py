@@ -8,7 +8,8 @@ import random
 
 from fake_ranks import FakeRanks
 
-from scheduler.messages import BatchPlan, SamplingParams, StepResult, TokenOut
+from scheduler.messages import SamplingParams, TokenOut
+from scheduler.rank_messages import BatchPlan, StepResult
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 

@@ -17,7 +17,8 @@ from test_logprobs_openai import joined_logprobs, text_of
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
-from scheduler.messages import SamplingParams, StepResult
+from scheduler.messages import SamplingParams
+from scheduler.rank_messages import StepResult
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 

@@ -71,7 +71,7 @@ def test_chunk_budget_flags():
     rate rank 0 measured; neither keeps the default."""
     from dasc_server.flags import parse_args, serve_config
     from scheduler.__main__ import DEFAULT_CHUNKED_PREFILL, chunk_budget
-    from scheduler.messages import RankInfo
+    from scheduler.rank_messages import RankInfo
 
     info = RankInfo("qwen3_next", 1, 64, None, 4096, 4, 100, 100, 0, prefill_tokens_per_s=4096.0)
 
