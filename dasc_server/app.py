@@ -5,7 +5,8 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or SSE
 (Prometheus), ``GET /v1/stats`` (JSON), ``POST /flush_cache``.  Every route but ``/health``
 needs ``Authorization: Bearer KEY`` when an API key is set (``guards``).
 
-A request: validate (``protocol``) -> prompt ids -> ``SamplingParams`` -> ``responses``.
+A request: validate (``*_request`` models) -> prompt ids -> ``SamplingParams`` -> a ``Job`` ->
+``sse_response`` or ``json_response``.
 Beyond ``max_running_requests + max_queued_requests`` requests in flight the server answers 503
 with ``Retry-After`` instead of queueing without bound.
 
@@ -32,27 +33,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dasc_server.chat import chat_prompt_ids
+from dasc_server.chat_request import ChatCompletionRequest
+from dasc_server.completion_request import CompletionRequest
+from dasc_server.deltas import engine_down
 from dasc_server.engine_client import EngineClient, EngineDead
 from dasc_server.guards import Guards
+from dasc_server.jobs import Choice, Job
+from dasc_server.json_response import complete_body, finished_before_disconnect
 from dasc_server.metrics import CONTENT_TYPE, Metrics
 from dasc_server.native import add_native_routes
-from dasc_server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestError,
-    check_model,
-    check_prompt,
-    error_body,
-    validation_error_body,
-)
-from dasc_server.responses import (
-    Choice,
-    Job,
-    complete_body,
-    engine_down,
-    finished_before_disconnect,
-    sse_frames,
-)
+from dasc_server.request_checks import check_model, check_prompt
+from dasc_server.request_errors import RequestError, error_body, validation_error_body
+from dasc_server.sse_response import sse_frames
 from dasc_server.structured import response_format_grammar
 from dasc_server.tool_calls import ToolCallStream, ToolPlan, tool_plan
 from scheduler.messages import SamplingParams

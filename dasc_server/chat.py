@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dasc_server.protocol import ChatMessage, RequestError
+from dasc_server.chat_request import ChatMessage
+from dasc_server.request_errors import RequestError
 
 FALLBACK_ASSISTANT_PREFIX = "assistant:"
 

@@ -2,7 +2,7 @@
 worker: ``GET /model_info`` (and the older ``/get_model_info``), ``GET /get_server_info``,
 ``GET /health_generate`` and ``POST /generate``.
 
-``/generate`` takes SGLang's body (``protocol.NativeGenerateRequest``), turns it into the
+``/generate`` takes SGLang's body (``native_request.NativeGenerateRequest``), turns it into the
 completions request it means and runs it on the OpenAI routes' path (``prepare`` -> ``Job`` ->
 ``engine.generate``), so validation, metrics, aborts and the prefix cache are the same.  Its
 answer is SGLang's: ``{"text", "output_ids", "meta_info": {id, finish_reason, prompt_tokens,
@@ -31,9 +31,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from dasc_server.completion_request import CompletionRequest
+from dasc_server.deltas import choice_deltas
 from dasc_server.engine_client import EngineClient
-from dasc_server.protocol import CompletionRequest, NativeGenerateRequest, RequestError
-from dasc_server.responses import DONE_FRAME, Job, _deltas, finished_before_disconnect
+from dasc_server.jobs import Job
+from dasc_server.json_response import finished_before_disconnect
+from dasc_server.native_request import NativeGenerateRequest
+from dasc_server.request_errors import RequestError
+from dasc_server.sse_response import DONE_FRAME
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -101,7 +106,7 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
         """The output after every delta of the job's single choice."""
         choice = job.choices[0]
         out = _Output(choice.rid, len(choice.prompt_ids), job.arrived)
-        async with aclosing(_deltas(engine, tokenizer, job, choice)) as deltas:
+        async with aclosing(choice_deltas(engine, tokenizer, job, choice)) as deltas:
             async for delta in deltas:
                 out.text += delta.text
                 out.output_ids += delta.token_ids

@@ -17,7 +17,7 @@ from typing import Any
 
 import llguidance
 
-from dasc_server.protocol import RequestError
+from dasc_server.request_errors import RequestError
 
 COMPACT = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
 PARAM = "response_format"

@@ -24,7 +24,8 @@ from typing import Any
 
 import llguidance
 
-from dasc_server.protocol import ChatCompletionRequest, RequestError
+from dasc_server.chat_request import ChatCompletionRequest
+from dasc_server.request_errors import RequestError
 from dasc_server.structured import checked
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

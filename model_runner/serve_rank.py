@@ -33,8 +33,9 @@ from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
 from scheduler import ipc
-from scheduler.messages import BatchPlan, RankInfo, RowTables, SeqStep, Shutdown, StepResult
-from scheduler.scheduler import active_state_slots
+from scheduler.messages import Shutdown
+from scheduler.rank_messages import BatchPlan, RankInfo, RowTables, SeqStep, StepResult
+from scheduler.scheduler_config import active_state_slots
 from scheduler.serve_config import CheckpointSpec, Payload, RankConfig, Selection, ServeConfig
 
 

@@ -19,16 +19,16 @@ from scheduler.messages import (
     FlushCacheDone,
     FlushCacheReq,
     GenerateReq,
-    RankInfo,
     ServerInfo,
     Shutdown,
     Stats,
     StatsReq,
-    StepResult,
     TokenBatch,
 )
 from scheduler.policy import SchedulePolicy
-from scheduler.scheduler import Scheduler, SchedulerConfig, prefill_budget
+from scheduler.rank_messages import RankInfo, StepResult
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig, prefill_budget
 from scheduler.serve_config import SchedulingConfig, ServeConfig
 
 IDLE_POLL_S = 0.5

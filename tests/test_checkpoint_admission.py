@@ -1,13 +1,14 @@
 """Checkpoint admission (``--checkpoint-admission``, scheduler/admission.py; issue 21 item 3):
 ``all`` stores at every interval multiple and the prompt end, as before; ``reuse`` stores at the
 ends of a turn always, at a branch point of the tree, and nowhere a request is the first to
-reach.  The scheduler runs against the symbolic ranks of test_scheduler_policy, with the
+reach.  The scheduler runs against the symbolic ranks of tests/fake_ranks.py, with the
 integrity check after every operation."""
 
 from __future__ import annotations
 
 import pytest
-from test_scheduler_policy import Loop, boundaries, make, random_tokens, tree_ckpts
+from fake_ranks import boundaries, tree_ckpts
+from scheduler_helpers import Loop, make, random_tokens
 
 from scheduler.admission import CKPT_ADMISSIONS, MIN_BRANCH_GAIN, store_points
 from scheduler.pools import IndexPool
@@ -151,7 +152,7 @@ def test_reuse_keeps_the_ends_of_a_turn_and_skips_a_branch_they_cover():
 def test_the_flag_reaches_the_scheduler():
     from dasc_server.flags import parse_args, serve_config
     from scheduler.__main__ import scheduler_config
-    from scheduler.messages import RankInfo
+    from scheduler.rank_messages import RankInfo
     from scheduler.serve_config import ServeConfig
 
     info = RankInfo("kimi_linear", 1, 64, None, 4096, 4, 100, 100, 0)

@@ -17,8 +17,10 @@ from test_logprobs_openai import joined_logprobs, text_of
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
-from scheduler.messages import SamplingParams, StepResult
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.messages import SamplingParams
+from scheduler.rank_messages import StepResult
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
 
 MODEL_NAME = KIMI.name
 PROMPT_IDS = list(b"The grass is green. The sky is blue and the sea is wide. Snow is")  # 64

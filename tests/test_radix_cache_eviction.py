@@ -5,7 +5,7 @@ recency; ``lru`` keeps dropping the least recently hit one."""
 from __future__ import annotations
 
 import pytest
-from test_radix_cache import put
+from radix_helpers import put
 
 from scheduler.pools import IndexPool
 from scheduler.radix_cache import RadixCache

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model_runner.sampling import LogitControlTable, RequestControls, sample_tokens
-from scheduler.messages import LogitControls, Sample
+from scheduler.rank_messages import LogitControls, Sample
 
 VOCAB = 50
 EOS = 7
@@ -195,7 +195,8 @@ def test_controls_cross_the_ipc_boundary():
     from multiprocessing import Pipe
 
     from scheduler import ipc
-    from scheduler.messages import BatchPlan, GenerateReq, SamplingParams, SeqStep
+    from scheduler.messages import GenerateReq, SamplingParams
+    from scheduler.rank_messages import BatchPlan, SeqStep
 
     a, b = Pipe()
     params = SamplingParams(logit_bias={3: -100.0, 5: 2}, presence_penalty=0.5,

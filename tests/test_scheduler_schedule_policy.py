@@ -2,13 +2,13 @@
 the shortest remaining prefill first (hits before misses, the longest cached prefix first),
 keeps misses' prefill out of a step of hits, and bounds how often a request can be passed.
 
-Every plan runs on test_scheduler_policy's FakeRanks, which checks rows, slots and checkpoints
+Every plan runs on the FakeRanks of tests/fake_ranks.py, which checks rows, slots and checkpoints
 symbolically, so a reordering that breaks the cache's books fails here too."""
 
 from __future__ import annotations
 
 import pytest
-from test_scheduler_policy import Loop, assert_drained, make, prompt_of, random_tokens
+from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens
 
 from scheduler.policy import POLICIES, SchedulePolicy, count_passes
 from scheduler.request import Req
@@ -228,7 +228,7 @@ def test_flags_reach_the_scheduler_process():
     defaults."""
     from dasc_server.flags import parse_args, serve_config
     from scheduler.__main__ import scheduler_config
-    from scheduler.messages import RankInfo
+    from scheduler.rank_messages import RankInfo
     from scheduler.serve_config import ServeConfig
 
     info = RankInfo("kimi_linear", 1, 64, None, 4096, 4, 100, 100, 0)

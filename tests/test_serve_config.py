@@ -22,20 +22,19 @@ from dasc_server.flags import build_parser, parse_args, serve_config, validate
 from scheduler import ipc
 from scheduler.__main__ import SchedulerProcess
 from scheduler.messages import (
-    BatchPlan,
     Counters,
     GenerateReq,
-    RankInfo,
     SamplingParams,
     ServerInfo,
     Shutdown,
     Stats,
     StatsReq,
-    StepResult,
     TokenBatch,
     TokenOut,
 )
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.rank_messages import BatchPlan, RankInfo, StepResult
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.serve_config import LoadPolicy, Payload, ServeConfig
 
 # the launcher's own flags: HTTP, torchrun, timeouts, the key; every other flag is config

@@ -13,7 +13,8 @@ import pytest
 from serving import KIMI
 from transformers import AutoTokenizer
 
-from dasc_server.protocol import ChatCompletionRequest, RequestError
+from dasc_server.chat_request import ChatCompletionRequest
+from dasc_server.request_errors import RequestError
 from dasc_server.tool_calls import (
     ToolCallStream,
     calls_grammar,

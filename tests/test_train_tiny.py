@@ -21,7 +21,7 @@ SCRIPTS = ROOT / "scripts"
 BATCH_CHECK = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import train_tiny as t
+import train_batches as t
 
 report = []
 weights = {"copy": 1, "s1": 1, "s3": 1, "mk2": 1, "mk3": 1, "mq": 1, "mv": 1, "cwe": 1}
@@ -94,7 +94,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 import tiny_models as tm
-import train_tiny as t
+import train_batches as t
 
 gen = torch.Generator().manual_seed(0)
 B, T, H, K, cut = 2, 70, 2, 8, 37

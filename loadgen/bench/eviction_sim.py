@@ -20,9 +20,11 @@ from client.cli_help import DefaultsHelpFormatter
 from loadgen.bench.report import markdown_table
 from loadgen.workload import Request, multi_turn, shared_prefix
 from scheduler.admission import CKPT_ADMISSIONS
-from scheduler.messages import SamplingParams, StepResult
+from scheduler.messages import SamplingParams
 from scheduler.radix_cache import CKPT_EVICTIONS
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.rank_messages import StepResult
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
 
 VOCAB = 256
 

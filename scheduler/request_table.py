@@ -1,0 +1,117 @@
+"""The requests the scheduler holds and everything they own: the waiting and running queues, KV
+rows and checkpoints (through the radix cache), active state slots, and what the next plan must
+carry about them (new row tables, dropped tables, stores of finished requests' states).
+
+On finish the state after every processed token (prompt + output[:-1]) is cached too, so the
+next turn of a conversation hits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from scheduler.messages import Counters, SamplingParams, TokenOut
+from scheduler.pools import IndexPool
+from scheduler.radix_cache import RadixCache
+from scheduler.request import Req
+from scheduler.request_checks import check_request
+from scheduler.scheduler_config import SchedulerConfig
+
+
+class RequestTable:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
+                                IndexPool(cfg.num_checkpoint_slots), cfg.ckpt_eviction)
+        self.slots = IndexPool(cfg.max_running_requests, first=1)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.stores_before: list[tuple[int, int]] = []  # (active slot, checkpoint) to store
+        self.new_tables: dict[str, Req] = {}  # row tables the next plan carries
+        self.released: list[str] = []  # ended requests whose tables the next plan drops
+        self.counters = Counters()  # the cache counts the evictions
+        self._live: set[str] = set()  # ids of waiting and running requests
+        self._num_added = 0
+        self._rng = random.Random(0)
+
+    def add(self, rid: str, prompt: list[int], sampling: SamplingParams) -> TokenOut | None:
+        """Queue a request, or return the finished error frame that refuses it."""
+        error = check_request(self.cfg, prompt, sampling)
+        if rid in self._live:  # outputs and the ranks' row tables are keyed by it
+            error = f"request id {rid!r} is already in flight"
+        if error is not None:
+            return TokenOut(rid, [], finished=True, finish_reason="error",
+                            prompt_tokens=len(prompt), error=error)
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        self.waiting.append(Req(rid, list(prompt), sampling, seed, arrival=self._num_added))
+        self._num_added += 1
+        self._live.add(rid)
+        return None
+
+    def abort(self, rid: str) -> bool:
+        """Drop a waiting or running request; False if it is neither."""
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                self._live.discard(rid)
+                r.finish_reason = "abort"
+                return True
+        for r in self.running:
+            if r.rid == rid:
+                self.finish(r, "abort")
+                return True
+        return False
+
+    def take_table_changes(self) -> tuple[list[str], dict[str, list[int]]]:
+        """(released ids, new row tables) for the next plan; both start empty again."""
+        released, self.released = self.released, []
+        tables = {rid: r.rows for rid, r in self.new_tables.items()}
+        self.new_tables = {}
+        return released, tables
+
+    def cache_prefix(self, r: Req, end: int, ckpt: int) -> bool:
+        """Hand [0, end) of the request to the tree with a checkpoint at ``end``; the request
+        keeps a lock on the new node and adopts the tree's rows.  False: the tree already had
+        a checkpoint there and ``ckpt`` went back to the pool."""
+        res = self.cache.insert(r.token_slice(0, end), r.rows[:end], ckpt)
+        if res.ckpt_taken:
+            self.counters.checkpoints_stored += 1
+        else:
+            self.cache.ckpt_pool.free([ckpt])
+        if res.num_existing > r.cached_len:  # someone cached these tokens first: drop ours
+            self.cache.kv_pool.free(r.rows[r.cached_len : res.num_existing])
+            self.new_tables[r.rid] = r  # the ranks need the tree's rows instead
+        self.cache.lock(res.node)
+        self.cache.unlock(r.node)
+        r.rows = res.kv_rows + r.rows[end:]
+        r.node, r.cached_len = res.node, end
+        return res.ckpt_taken
+
+    def finish(self, r: Req, reason: str) -> None:
+        r.finish_reason = reason
+        self.running.remove(r)
+        cache = self.cache
+        end = r.computed
+        if (reason != "abort" and self.cfg.prefix_cache and self.cfg.cache_finished
+                and end > r.cached_len and cache.ckpt_at(r.token_slice(0, end)) is None):
+            ckpt = cache.alloc_ckpt()
+            if ckpt is not None and self.cache_prefix(r, end, ckpt):
+                # written at the start of the next step, before any load can read it
+                self.stores_before.append((r.slot, ckpt))
+        cache.kv_pool.free(r.own_rows)
+        cache.unlock(r.node)
+        self.slots.free([r.slot])
+        r.node, r.rows = None, []
+        self.new_tables.pop(r.rid, None)
+        self.released.append(r.rid)
+        self._live.discard(r.rid)
+
+    def check_integrity(self) -> None:
+        """Every row and slot is free, cached in one node, or owned by one running request."""
+        rows = [x for r in self.running for x in r.own_rows]
+        ckpts = [r.pending_store[1] for r in self.running if r.pending_store is not None]
+        self.cache.check_integrity(rows, ckpts, [r.node for r in self.running], [])
+        held = [r.slot for r in self.running]
+        assert len(held) == len(set(held)) and not set(held) & self.slots.free_ids()
+        assert len(held) + self.slots.num_free == self.slots.size, "active slot leaked"

@@ -1,0 +1,210 @@
+"""One step's plan: decodes of the running requests, then prefill chunks in the policy's order
+(admitting waiting requests as KV rows and slots allow), checkpoint loads for their hits,
+dasc-wr refreshes, and checkpoint stores at chunk ends.
+
+Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
+``--checkpoint-admission`` (scheduler/admission.py); a prefill chunk always ends at the next one.
+
+Prompt logprobs (echo): the cache holds states and KV, not logits, so a request that asks for
+them matches nothing and prefills its whole prompt; its boundaries still store checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from scheduler.admission import store_points
+from scheduler.policy import count_passes
+from scheduler.radix_cache import Node
+from scheduler.rank_messages import BatchPlan, LogitControls, Sample, SeqStep
+from scheduler.request import Req
+from scheduler.request_table import RequestTable
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.serve_config import LoadPolicy
+
+
+class InFlight(NamedTuple):
+    """One sequence of the plan in flight, as its result is read back."""
+
+    req: Req
+    num_tokens: int  # new tokens the step computes
+    is_sampled: bool
+    has_targets: bool  # prompt logprobs asked for this chunk
+
+
+class StepPlanner:
+    def __init__(self, cfg: SchedulerConfig, table: RequestTable):
+        self.cfg = cfg
+        self.table = table
+        self.inflight: list[InFlight] = []
+        self._step_id = 0
+        self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
+
+    def schedule(self) -> BatchPlan | None:
+        table = self.table
+        plan = BatchPlan(self._next_step_id(), stores_before=table.stores_before)
+        table.stores_before, self.inflight = [], []
+        budget = self.cfg.chunked_prefill_size
+        for r in table.running:
+            if not r.is_prefilling:
+                self._add_seq(plan, r, r.computed + 1)
+                budget -= 1
+        ckpt_locked = []
+        if self.cfg.policy.takes_prefill(bool(plan.seqs), self._decode_only_run):
+            ckpt_locked = self._add_prefills(plan, budget)
+        has_prefill = any(r.is_prefilling for r, _, _, _ in self.inflight)
+        self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
+        for r, n, _, _ in self.inflight:  # after every match: stores never feed this step's loads
+            if r.is_prefilling:
+                self._plan_store(plan, r, r.computed + n)
+        for node in ckpt_locked:
+            table.cache.unlock_ckpt(node)
+        if not plan.seqs and not plan.stores_before:
+            return None
+        plan.release, plan.tables = table.take_table_changes()
+        return plan
+
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
+
+    def _add_prefills(self, plan: BatchPlan, budget: int) -> list[Node]:
+        """Offer the step's budget to the prefill candidates in the policy's order: admitted
+        requests take their next chunk, waiting ones are admitted first (after the first that
+        does not fit, no other is).  Returns the nodes whose checkpoints this step loads."""
+        policy, table = self.cfg.policy, self.table
+        prefilling = [r for r in table.running if r.is_prefilling]
+        remaining: dict[str, int] = {}
+
+        def remaining_of(r: Req) -> int:
+            if r.rid not in remaining:
+                remaining[r.rid] = self._remaining_prefill(r)
+            return remaining[r.rid]
+
+        served, skipped, ckpt_locked = [], [], []
+        longest, can_admit = 0, True
+        for r in policy.order(prefilling, table.waiting, remaining_of):
+            is_admitted = r.slot != 0
+            if (budget <= 0 or (not is_admitted and not can_admit)
+                    or (longest and policy.can_defer
+                        and policy.defers(r, min(remaining_of(r), budget), longest))):
+                skipped.append(r)
+                continue
+            if not is_admitted:
+                if not self._admit(r, plan):
+                    can_admit = False
+                    skipped.append(r)
+                    continue
+                table.waiting.remove(r)
+                table.running.append(r)
+                if r.hit_len:
+                    ckpt_locked.append(r.node)
+            taken = self._add_chunk(plan, r, budget)
+            budget -= taken
+            longest = max(longest, taken)
+            served.append(r)
+        count_passes(skipped, served)
+        return ckpt_locked
+
+    def _can_hit(self, r: Req) -> bool:
+        return self.cfg.prefix_cache and not r.sampling.prompt_logprobs
+
+    def _remaining_prefill(self, r: Req) -> int:
+        """Prompt tokens left to compute; for a waiting request, after the hit it would get."""
+        if r.slot != 0:
+            return len(r.prompt) - r.computed
+        if not self._can_hit(r):
+            return len(r.prompt)
+        return len(r.prompt) - self.table.cache.match_len(r.prompt, len(r.prompt) - 1)
+
+    def _admit(self, r: Req, plan: BatchPlan) -> bool:
+        """Match the prompt, lock the hit, reserve KV rows and an active slot."""
+        table = self.table
+        if table.slots.num_free == 0:
+            return False
+        cache = table.cache
+        hit = cache.match(r.prompt, len(r.prompt) - 1) if self._can_hit(r) else cache.match([], 0)
+        cache.lock(hit.node)
+        rows = cache.alloc_rows(r.max_processed - hit.length)
+        if rows is None:
+            cache.unlock(hit.node)
+            return False
+        r.slot = table.slots.alloc(1)[0]
+        r.node, r.rows, r.cached_len = hit.node, hit.kv_rows + rows, hit.length
+        table.new_tables[r.rid] = r
+        r.computed = r.hit_len = hit.length
+        table.counters.prompt_tokens += len(r.prompt)
+        table.counters.cached_tokens += hit.length
+        if hit.length:
+            cache.lock_ckpt(hit.node)
+            plan.loads.append((hit.node.ckpt, r.slot))
+            self._plan_refresh(plan, r)
+        return True
+
+    def _plan_refresh(self, plan: BatchPlan, r: Req) -> None:
+        """dasc-wr: replay the last W_wr tokens before the hit into a zero scratch slot."""
+        window, counters = self.cfg.refresh_window, self.table.counters
+        if self.cfg.load_policy != LoadPolicy.WR or window <= 0:
+            counters.loads_nr += 1
+            return
+        end = r.computed
+        start = max(0, end - window)
+        plan.refresh.append(SeqStep(r.rid, r.prompt[start:end], start, r.slot))
+        plan.refresh_scratch.append(self.cfg.scratch_slot_base + len(plan.refresh_scratch))
+        counters.loads_wr += 1
+        counters.refresh_tokens += end - start
+
+    def _boundaries(self, r: Req) -> list[int]:
+        if not self.cfg.prefix_cache:
+            return []
+        cfg = self.cfg
+        return store_points(r.prompt, cfg.checkpoint_interval, cfg.ckpt_admission,
+                            self.table.cache)
+
+    def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
+        """Prefill up to ``budget`` tokens, ending at the next boundary that still needs a
+        checkpoint; returns the tokens taken."""
+        end = min(len(r.prompt), r.computed + budget)
+        for b in self._boundaries(r):
+            if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None:
+                end = b
+                break
+        self._add_seq(plan, r, end)
+        return end - r.computed
+
+    def _add_seq(self, plan: BatchPlan, r: Req, end: int) -> None:
+        sample = None
+        if end == len(r.prompt) + len(r.output):
+            s = r.sampling
+            sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output),
+                            num_top_logprobs=s.top_logprobs)
+            if not r.output and s.has_logit_controls:
+                sample.controls = self._controls(r)
+        step = SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot, sample)
+        if r.sampling.prompt_logprobs:  # the prompt tokens after this chunk's tokens
+            step.logprob_targets = r.prompt[r.computed + 1 : min(end + 1, len(r.prompt))]
+            step.num_top_targets = r.sampling.top_logprobs
+        plan.seqs.append(step)
+        self.inflight.append(InFlight(r, end - r.computed, sample is not None,
+                                      bool(step.logprob_targets)))
+
+    def _controls(self, r: Req) -> LogitControls:
+        """What rank 0 keeps for the request; only ids inside the vocabulary are banned (a stop
+        id outside it can never be sampled anyway)."""
+        s, vocab, eos = r.sampling, self.cfg.vocab_size, self.cfg.eos_token_id
+        banned = [t for t in s.stop_token_ids if 0 <= t < vocab]
+        if eos is not None and not s.ignore_eos and eos not in banned:
+            banned.append(eos)
+        seen = sorted(set(r.prompt)) if s.repetition_penalty != 1.0 else []
+        return LogitControls(dict(s.logit_bias), float(s.presence_penalty),
+                             float(s.frequency_penalty), float(s.repetition_penalty),
+                             s.min_tokens, banned if s.min_tokens else [], seen, s.grammar)
+
+    def _plan_store(self, plan: BatchPlan, r: Req, end: int) -> None:
+        cache = self.table.cache
+        if end not in self._boundaries(r) or cache.ckpt_at(r.prompt[:end]) is not None:
+            return
+        ckpt = cache.alloc_ckpt()
+        if ckpt is not None:
+            plan.stores_after.append((r.slot, ckpt))
+            r.pending_store = (end, ckpt)

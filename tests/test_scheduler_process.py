@@ -1,0 +1,83 @@
+"""The scheduler process around the policy: it imports no torch, its prefill budget follows the
+measured rate, the flags pick the chunk budget, and its IPC connections send small frames at
+once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_scheduler_imports_no_torch():
+    """Every module of the scheduler package (its process entry point aside)."""
+    modules = sorted(f"scheduler.{p.stem}" for p in (ROOT / "scheduler").glob("*.py")
+                     if p.stem not in ("__init__", "__main__"))
+    assert "scheduler.step_planner" in modules
+    code = ("import sys\n"
+            f"import scheduler, {', '.join(modules)}\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_prefill_budget_follows_the_measured_rate():
+    from scheduler.scheduler_config import prefill_budget
+
+    # 1,000 tokens/s and a 250 ms step: 250 tokens, rounded down to 192 (multiples of 64)
+    assert prefill_budget(1000.0, 250.0) == 192
+    assert prefill_budget(4096.0, 250.0) == 1024
+    assert prefill_budget(8000.0, 500.0) == 4000 // 64 * 64
+    assert prefill_budget(10.0, 250.0) == 64  # never below one 64-token chunk
+    assert prefill_budget(1e7, 250.0) == 8192  # nor above the cap
+
+
+def test_ipc_connections_send_small_frames_at_once(monkeypatch):
+    """Both ends of an engine connection set TCP_NODELAY (issue 18: Nagle held tokens back),
+    and a message still round-trips."""
+    import os
+    import socket
+    import threading
+
+    from scheduler import ipc
+    from scheduler.messages import Shutdown
+
+    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
+    port = ipc.free_port()
+    listener = ipc.listen(port)
+    client: list = []
+    t = threading.Thread(target=lambda: client.append(ipc.connect(port, timeout=10)))
+    t.start()
+    server = ipc.accept(listener)
+    t.join(10)
+    try:
+        for conn in (server, client[0]):
+            with socket.socket(fileno=os.dup(conn.fileno())) as s:
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        ipc.send(client[0], Shutdown())
+        assert isinstance(ipc.recv(server), Shutdown)
+    finally:
+        server.close()
+        client[0].close()
+        listener.close()
+
+
+def test_chunk_budget_flags():
+    """An explicit --chunked-prefill-size wins; --step-target-ms derives the budget from the
+    rate rank 0 measured; neither keeps the default."""
+    from dasc_server.flags import parse_args, serve_config
+    from scheduler.__main__ import DEFAULT_CHUNKED_PREFILL, chunk_budget
+    from scheduler.rank_messages import RankInfo
+
+    info = RankInfo("qwen3_next", 1, 64, None, 4096, 4, 100, 100, 0, prefill_tokens_per_s=4096.0)
+
+    def budget(*flags: str) -> int:
+        return chunk_budget(serve_config(parse_args(list(flags))).scheduling, info)
+
+    assert budget("--step-target-ms", "250") == 1024
+    assert budget("--chunked-prefill-size", "300", "--step-target-ms", "250") == 300
+    assert budget() == DEFAULT_CHUNKED_PREFILL == 2048
