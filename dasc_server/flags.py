@@ -197,7 +197,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def validate(args: argparse.Namespace) -> None:
     """What can be checked before any process starts; raises with a one-line message."""
     from model_runner.config import ModelConfig
-    from model_runner.loader import check_tp, check_weight_files
+    from model_runner.model_files import check_tp, check_weight_files
 
     if args.tp < 1:
         raise ValueError(f"--tp must be at least 1 (got {args.tp})")

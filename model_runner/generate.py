@@ -71,7 +71,7 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 def validate(args: argparse.Namespace) -> list[int]:
     """Everything that can be checked without loading weights; raises with a one-line message."""
     from model_runner.config import ModelConfig
-    from model_runner.loader import check_tp, check_weight_files
+    from model_runner.model_files import check_tp, check_weight_files
 
     model_dir = Path(args.model)
     cfg = ModelConfig.from_dir(model_dir)

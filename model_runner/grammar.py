@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
@@ -26,6 +25,7 @@ def grammar_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: int 
                       ) -> llguidance.LLTokenizer:
     """The model's Hugging Face fast tokenizer as llguidance sees it, ``vocab_size`` wide (ids
     past the tokenizer's own are never allowed)."""
+    import llguidance.hf  # imports transformers (~0.8 s): only once a request has a grammar
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(model_dir))

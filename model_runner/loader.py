@@ -6,14 +6,13 @@ every parameter's own ``weight_loader`` takes its part of the tensor.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model_runner.compression.weights import WeightsError
-from model_runner.config import ConfigError, ModelConfig
+from model_runner.config import ModelConfig
+from model_runner.model_files import WeightsError, weight_files
 from model_runner.models.common import HybridForCausalLM
 from model_runner.models.kimi_linear import KimiLinearForCausalLM
 from model_runner.models.qwen3_next import Qwen3NextForCausalLM
@@ -23,54 +22,6 @@ MODEL_CLASSES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
-
-
-def check_tp(cfg: ModelConfig, tp_size: int, source: str = "config.json") -> None:
-    """Every sharded extent must divide by the TP degree; fail before allocating anything."""
-    checks = {
-        "linear_num_key_heads": cfg.linear_num_key_heads,
-        "num_attention_heads": cfg.num_attention_heads,
-        "intermediate_size": cfg.intermediate_size,
-    }
-    if "sparse" in cfg.mlp_types:
-        checks["moe_intermediate_size"] = cfg.moe_intermediate_size
-        checks["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
-    for field, value in checks.items():
-        if tp_size < 1 or value % tp_size:
-            raise ConfigError(f"{source}: field {field!r}={value} is not divisible by tp={tp_size}")
-    kv = cfg.num_key_value_heads
-    if not cfg.is_kda and kv % tp_size and tp_size % kv:
-        raise ConfigError(f"{source}: field 'num_key_value_heads'={kv} neither divides nor is a "
-                          f"multiple of tp={tp_size}")
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise WeightsError(f"{index}: not a valid safetensors index (needs 'weight_map')"
-                               ) from None
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{model_dir}: no *.safetensors weight files")
-    for f in files:
-        if not f.is_file():
-            raise WeightsError(f"{f}: listed in the index but missing")
-    return files
-
-
-def check_weight_files(model_dir: Path) -> None:
-    """Open every weight file's header (cheap): catches missing and truncated files early."""
-    for path in weight_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                f.keys()
-        except SafetensorError as e:
-            raise WeightsError(f"{path}: unreadable safetensors file ({e})") from None
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype,

@@ -22,7 +22,8 @@ from model_runner.config import ModelConfig
 from model_runner.cuda_graph import DecodeGraphs
 from model_runner.host_memory import keep_freed_memory
 from model_runner.layers.linear import hold_fp32, pack_gemms, should_hold_fp32
-from model_runner.loader import build_model, check_tp, load_weights
+from model_runner.loader import build_model, load_weights
+from model_runner.model_files import check_tp
 from model_runner.models.common import StepContext
 from model_runner.parallel import TPGroup
 from model_runner.pools import KVPool, RequestState, StatePool

@@ -26,8 +26,9 @@ from model_runner.compression.plan import (
     random_plan,
     refresh_window,
 )
-from model_runner.compression.weights import WeightsError, decay_tensor_names, load_decay_params
+from model_runner.compression.weights import decay_tensor_names, load_decay_params
 from model_runner.config import ModelConfig
+from model_runner.model_files import WeightsError
 
 DATA = Path(__file__).parent / "data" / "compression"
 

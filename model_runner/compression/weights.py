@@ -15,13 +15,10 @@ from safetensors import safe_open
 
 from model_runner.compression.horizons import DecayParams
 from model_runner.config import ModelConfig
+from model_runner.model_files import WeightsError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-class WeightsError(ValueError):
-    """Weights missing or unreadable; the message names the file and the tensor."""
 
 
 def decay_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, str]:

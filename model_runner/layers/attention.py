@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from model_runner.batch import ForwardBatch
 from model_runner.layers.linear import emulates_bf16
@@ -66,13 +65,23 @@ def _work_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if emulates_bf16(q) else q.dtype
 
 
+def _lower_right_causal(n: int, total: int, device: torch.device):
+    """Query i of n sees keys [0, total - n + i]: on CUDA torch's lower-right causal bias, which
+    SDPA hands to flash attention (GQA included) where a boolean mask would take the math
+    backend; elsewhere the boolean mask that bias materialises (the same bits, and importing
+    ``torch.nn.attention.bias`` pulls in dynamo: ~1.7 s of every CPU rank's start)."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(n, total)
+    return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
+
+
 def _sdpa_causal(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
     """Decode (n = 1) sees every key; a fresh prompt is plain causal; after a cached prefix,
-    query i sees keys [0, prefix + i]: causal aligned to the lower right, which torch hands to
-    flash attention on CUDA (GQA included) where a boolean mask would take the math backend,
-    and materialises as that mask elsewhere."""
+    query i sees keys [0, prefix + i]: causal aligned to the lower right."""
     n, total = q.shape[0], k.shape[0]
-    mask = causal_lower_right(n, total) if n > 1 and prefix_len > 0 else None
+    mask = _lower_right_causal(n, total, q.device) if n > 1 and prefix_len > 0 else None
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=n > 1 and prefix_len == 0, scale=scale,

@@ -27,8 +27,9 @@ from model_runner.compression.plan import (
     random_plan,
 )
 from model_runner.compression.target import plan_for_slots
-from model_runner.compression.weights import WeightsError, has_weights, load_decay_params
+from model_runner.compression.weights import has_weights, load_decay_params
 from model_runner.config import ConfigError, ModelConfig
+from model_runner.model_files import WeightsError
 
 DEFAULT_WMAX = (16.0, 64.0, 128.0, 512.0)
 
