@@ -84,10 +84,31 @@ def _module_marks(path: Path) -> set[str]:
     return _MODULE_MARKS[path]
 
 
+def _shares_fixtures(path: Path) -> bool:
+    """A module with module-scoped fixtures (a shared server, a trained model) keeps its tests on
+    one xdist worker; the tests of other modules are spread one by one."""
+    source = path.read_text()
+    return 'scope="module"' in source or 'scope="class"' in source
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per core, at most 4.  Tests run torch on one
+    thread each, so a second worker uses the second core; the servers and torchrun ranks the
+    tests start share the same cores."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def pytest_collection_modifyitems(config, items):
+    heavy = {"serving", "dist", "slow"}
     for item in items:
-        marks = set(_module_marks(Path(item.fspath)))
+        path = Path(item.fspath)
+        marks = set(_module_marks(path))
         if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             marks.add("gpu")
         for name in sorted(marks):
             item.add_marker(getattr(pytest.mark, name))
+        if _shares_fixtures(path):
+            item.add_marker(pytest.mark.xdist_group(path.stem))
+    # Modules that start processes first (a stable sort keeps each module's order): under xdist
+    # the many quick unit tests then fill both workers' tails instead of one long server module.
+    items.sort(key=lambda item: not _module_marks(Path(item.fspath)) & heavy)
