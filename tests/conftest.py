@@ -84,13 +84,6 @@ def _module_marks(path: Path) -> set[str]:
     return _MODULE_MARKS[path]
 
 
-def _shares_fixtures(path: Path) -> bool:
-    """A module with module-scoped fixtures (a shared server, a trained model) keeps its tests on
-    one xdist worker; the tests of other modules are spread one by one."""
-    source = path.read_text()
-    return 'scope="module"' in source or 'scope="class"' in source
-
-
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject's addopts): one worker per core, at most 4.  Tests run torch on one
     thread each, so a second worker uses the second core; the servers and torchrun ranks the
@@ -107,8 +100,7 @@ def pytest_collection_modifyitems(config, items):
             marks.add("gpu")
         for name in sorted(marks):
             item.add_marker(getattr(pytest.mark, name))
-        if _shares_fixtures(path):
-            item.add_marker(pytest.mark.xdist_group(path.stem))
-    # Modules that start processes first (a stable sort keeps each module's order): under xdist
-    # the many quick unit tests then fill both workers' tails instead of one long server module.
+    # Modules that start processes first (a stable sort keeps each module's order): xdist hands
+    # out whole modules in this order (--dist loadfile), so the many quick unit-test modules fill
+    # both workers' tails instead of one long server module.
     items.sort(key=lambda item: not _module_marks(Path(item.fspath)) & heavy)
