@@ -94,7 +94,14 @@ def test_repeated_echo_still_has_prompt_logprobs_and_cache_still_serves(oai, ref
     again = complete(oai, echo=True, logprobs=3)
     assert again.usage.prompt_tokens_details.cached_tokens == 0  # echo never matches
     check_echo_logprobs(again.choices[0].logprobs, reference)
-    assert again.choices[0].logprobs.top_logprobs == first.choices[0].logprobs.top_logprobs
+    # The same tokens, logprobs within ATOL: the second prompt's chunks may end at other
+    # boundaries (those whose checkpoint the first one stored are skipped, once it is stored).
+    tops = again.choices[0].logprobs.top_logprobs
+    first_tops = first.choices[0].logprobs.top_logprobs
+    assert tops[0] is None and first_tops[0] is None
+    for top, first_top in zip(tops[1:], first_tops[1:], strict=True):
+        assert top.keys() == first_top.keys()
+        assert all(abs(top[t] - first_top[t]) <= ATOL for t in top)
     for top in again.choices[0].logprobs.top_logprobs[1:]:
         assert 3 <= len(top) <= 4
     plain = complete(oai, max_tokens=2)  # the echo requests stored checkpoints for it
