@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from dasc_server.flags import parse_args, serve_config, validate
+from model_runner.launch import exit_now
 from scheduler import ipc
 from scheduler.messages import ServerInfo, Shutdown
 from scheduler.serve_config import ServeConfig
@@ -285,8 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     errors = ChildErrors()
     children = start_children(args, serve_config(args), errors)
+    # Every path below stops and reaps the children first; then the launcher skips the
+    # interpreter's teardown (~1 s with torch and transformers loaded).
     if args.node_rank > 0:
-        return run_worker_node(children["ranks"], errors)
+        exit_now(run_worker_node(children["ranks"], errors))
+    exit_now(run_front_node(args, sock, children, errors))
+
+
+def run_front_node(args: argparse.Namespace, sock: socket.socket,
+                   children: dict[str, subprocess.Popen], errors: ChildErrors) -> int:
+    """Node 0: wait for the ranks, serve until a signal or a failure, stop the children."""
     conn = failure = None
     tokenizer = preload_tokenizer(args)
     try:

@@ -28,6 +28,7 @@ from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cpu_features import emulated_bf16_note
 from model_runner.grammar import TokenizerCache
+from model_runner.launch import exit_now
 from model_runner.parallel import TPGroup, init_tp_group, rank_device, shutdown_tp_group
 from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
@@ -279,4 +280,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # the process group is left and the scheduler's socket closed
