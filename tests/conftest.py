@@ -20,11 +20,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from reference_imports import import_references_then_fla
+from serving import Server, running_server
+from xdist.scheduler import LoadFileScheduling
 
 if torch.cuda.is_available():
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
@@ -61,6 +64,16 @@ def torchrun():
     return run_torchrun
 
 
+@pytest.fixture(scope="session")
+def default_server() -> Iterator[Server]:
+    """One dasc-serve with no flags (the built-in Kimi model), started once for every module
+    that asks for it.  Their tests share it in any order: they read counters as deltas and
+    flush the cache before relying on a miss.  Under xdist one worker runs all those modules
+    (`ModuleScheduling`), so it starts once."""
+    with running_server() as server:
+        yield server
+
+
 # ---- markers (pyproject.toml declares them): a fast subset is -m "not serving and not dist and
 # not slow and not gpu".  Read from each module's source so a new test is marked by what it does.
 SLOW_MODULES = {  # minutes of model work each, without a server or torchrun
@@ -74,7 +87,8 @@ def _module_marks(path: Path) -> set[str]:
     if path not in _MODULE_MARKS:
         source = path.read_text()
         marks = set()
-        if "running_server(" in source or "dasc_server.launch" in source:
+        if ("running_server(" in source or "dasc_server.launch" in source
+                or "default_server" in source):
             marks.add("serving")
         if "run_torchrun(" in source or "torchrun(" in source or "--tp\", \"2\"" in source:
             marks.add("dist")
@@ -82,6 +96,33 @@ def _module_marks(path: Path) -> set[str]:
             marks.add("slow")
         _MODULE_MARKS[path] = marks
     return _MODULE_MARKS[path]
+
+
+DEFAULT_SERVER_SCOPE = "default-server"
+
+
+class ModuleScheduling(LoadFileScheduling):
+    """``--dist loadfile`` (whole modules per worker), except that the modules using the session's
+    `default_server` form one scope: one worker runs them all and starts the server once."""
+
+    def __init__(self, config, log=None):
+        super().__init__(config, log)
+        self.rootpath = config.rootpath
+        self.uses_default_server: dict[str, bool] = {}
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = super()._split_scope(nodeid)
+        if path not in self.uses_default_server:
+            module = self.rootpath / path
+            self.uses_default_server[path] = (module.suffix == ".py" and module.is_file()
+                                              and "default_server" in module.read_text())
+        return DEFAULT_SERVER_SCOPE if self.uses_default_server[path] else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadfile":
+        return ModuleScheduling(config, log)
+    return None
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -1,5 +1,6 @@
 """Scenarios run by the model runner (in-process or on every torchrun rank) and their checks
-against transformers.  Results are plain dicts of tensors so ranks can save them to disk."""
+against transformers, the tiny random model configurations they run on and their prompts.
+Results are plain dicts of tensors so ranks can save them to disk."""
 
 from __future__ import annotations
 
@@ -9,6 +10,27 @@ from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
 
 PAGE = 4  # small pages so sequences span several, in scattered order
+STEPS = 16  # greedy decode steps of a scenario
+# (architecture, `random_checkpoints.make_model` overrides)
+CONFIGS = {
+    # KDA with odd head count, q-LoRA MLA, grouped expert routing, two dense-first layers
+    "kda-odd-heads-qlora": ("kda", dict(linear_attn_config={"num_heads": 3}, q_lora_rank=24,
+                                        num_local_experts=8, n_group=2, topk_group=1,
+                                        first_k_dense_replace=2, num_attention_heads=3,
+                                        num_key_value_heads=3)),
+    "kda-moe": ("kda", dict(num_hidden_layers=5, full_attn_layers=[3])),
+    # GDN with GVA ratio 2, a dense MLP layer among MoE layers, a single KV head
+    "gdn-gva2-mixed-mlp": ("gdn", dict(mlp_only_layers=[1], num_key_value_heads=1)),
+    "gdn-gva3-odd": ("gdn", dict(linear_num_key_heads=1, linear_num_value_heads=3,
+                                 num_attention_heads=3, num_key_value_heads=3,
+                                 num_hidden_layers=3, layer_types=["linear_attention",
+                                 "full_attention", "linear_attention"])),
+}
+
+
+def prompts(vocab: int, lengths=(37, 5, 20), seed=0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 class Pages:

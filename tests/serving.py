@@ -1,4 +1,5 @@
-"""Real dasc-serve processes for tests (``dasc_server.spawn``) and the built-in model paths."""
+"""Real dasc-serve processes for tests (``dasc_server.spawn``), the built-in model paths and
+their byte tokenizer (id == UTF-8 byte, ``EOS`` = 258 = <eos>)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from scheduler import ipc
 
 ASSETS = ROOT / "model_runner" / "assets"
 KIMI, QWEN = ASSETS / "kimi-linear-tiny", ASSETS / "qwen3-next-tiny"
+EOS = 258
 
-__all__ = ["KIMI", "QWEN", "Server", "ipc_pair", "running_server"]
+__all__ = ["EOS", "KIMI", "QWEN", "Server", "ids", "ipc_pair", "running_server"]
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())  # the built-in models' byte tokenizer
 
 
 def ipc_pair(monkeypatch) -> tuple[Connection, Connection]:

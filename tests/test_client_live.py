@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from serving import KIMI, ROOT, running_server
+from serving import KIMI, ROOT, ids
 
 from client import AsyncDascClient, DascClient, DascError
 
@@ -20,14 +20,9 @@ MODEL_NAME = KIMI.name
 MESSAGES = [{"role": "user", "content": "What colour is the grass?"}]
 
 
-def ids(text: str) -> list[int]:
-    return list(text.encode())  # the built-in byte tokenizer
-
-
 @pytest.fixture(scope="module")
-def url():
-    with running_server() as server:
-        yield server.base_url
+def url(default_server) -> str:
+    return default_server.base_url
 
 
 @pytest.fixture

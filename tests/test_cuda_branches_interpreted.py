@@ -14,61 +14,33 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TESTS
+from delta_rule_cases import (
+    BF16_ULP,
+    CASES,
+    bf16_operands,
+    case_args,
+    delta_rule_op,
+    rel_err,
+)
 from serving import KIMI, QWEN
 
 from kernels.interpreted import run_interpreted
-from model_runner.ops.delta_rule import l2norm_div
-from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
 
-SCALE = 0.25
-CU_SEQLENS = [0, 66, 71]  # the first sequence crosses fla's 64-token chunk
 # (model, prompts, decode steps): Kimi pads 3 sequences to the batch-4 step; fla's GDN decode
 # kernel runs ~60 ms per program interpreted, so Qwen decodes one sequence.
 DECODES = [(KIMI, [[5, 9, 33, 12, 7, 80, 3, 44, 21], [6, 2, 77], [90, 14, 15, 16]], 2),
            (QWEN, [[5, 9, 33, 12, 7, 80, 3]], 2)]
-
-
-def _inputs(per_channel: bool):
-    """q, k with 1 key head serving 2 value heads (GVA), log-space g, post-sigmoid beta."""
-    gen = torch.Generator().manual_seed(int(per_channel))
-    num_tokens, k_dim, v_dim = CU_SEQLENS[-1], 16, 16
-    q = l2norm_div(torch.randn(num_tokens, 1, k_dim, generator=gen))
-    k = l2norm_div(torch.randn(num_tokens, 1, k_dim, generator=gen))
-    v = torch.randn(num_tokens, 2, v_dim, generator=gen)
-    g_shape = (num_tokens, 2, k_dim) if per_channel else (num_tokens, 2)
-    g = -torch.rand(g_shape, generator=gen).pow(3) * 3  # some units forget at once, some never
-    beta = torch.rand(num_tokens, 2, generator=gen)
-    states = torch.randn(2, 2, k_dim, v_dim, generator=gen)
-    return q, k, v, g, beta, states
-
-
-def _decode_args(per_channel: bool):
-    q, k, v, g, beta, states = _inputs(per_channel)
-    rows = [3, 40]  # one token for each of the two states
-    return q[rows], k[rows], v[rows], g[rows], beta[rows], states, SCALE
-
-
-def _prefill_args(per_channel: bool):
-    return (*_inputs(per_channel), CU_SEQLENS, SCALE)
-
-
-CASES = {f"{arch}-{op}": (op, per_channel)
-         for arch, per_channel in (("kda", True), ("gdn", False)) for op in ("prefill", "decode")}
 # bf16 models hand fla's kernels q, k, v and beta in bf16 (g and the state stay fp32).
 BF16_CASES = list(CASES)
-BF16_ULP = 2**-8  # bf16 keeps 8 significant bits: one unit in the last place, relative
 
 
 @pytest.fixture(scope="module")
 def interpreted(monkeypatch_module) -> dict:
     calls = [("reference_bindings", ())]
-    for op, per_channel in CASES.values():
-        args = _prefill_args(per_channel) if op == "prefill" else _decode_args(per_channel)
-        calls.append((f"fla_{op}", args))
+    for case, (op, _) in CASES.items():
+        calls.append((f"fla_{op}", case_args(case)))
     for case in BF16_CASES:
-        op, per_channel = CASES[case]
-        args = _prefill_args(per_channel) if op == "prefill" else _decode_args(per_channel)
-        calls.append((f"fla_{op}", (*args, torch.bfloat16)))
+        calls.append((f"fla_{CASES[case][0]}", (*case_args(case), torch.bfloat16)))
     for model_dir, prompts, steps in DECODES:
         calls += [("greedy_decode", (str(model_dir), prompts, steps, fixed))
                   for fixed in (False, True)]
@@ -89,27 +61,13 @@ def monkeypatch_module():
         yield mp
 
 
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_fla_wrapper_matches_cpu_path(case, interpreted):
-    op, per_channel = CASES[case]
-    if op == "prefill":
-        ref = delta_rule_prefill(*_prefill_args(per_channel))
-    else:
-        ref = delta_rule_decode(*_decode_args(per_channel))
+    ref = delta_rule_op(case)(*case_args(case))
     (o, final), (o_ref, final_ref) = interpreted[case], ref
     assert o.shape == o_ref.shape and final.shape == final_ref.shape
     assert o.dtype == final.dtype == torch.float32
-    assert _rel_err(o, o_ref) < 2e-6 and _rel_err(final, final_ref) < 2e-6
-
-
-def _bf16_operands(args):
-    """q, k, v and beta rounded to bf16, as fla reads them in a bf16 model."""
-    q, k, v, g, beta, *rest = args
-    return (*(t.bfloat16().float() for t in (q, k, v)), g, beta.bfloat16().float(), *rest)
+    assert rel_err(o, o_ref) < 2e-6 and rel_err(final, final_ref) < 2e-6
 
 
 @pytest.mark.parametrize("case", BF16_CASES)
@@ -121,14 +79,10 @@ def test_fla_wrapper_takes_bf16_operands(case, interpreted):
     decode; 1.9-2.7 in prefill with the interpreter's own truncating casts, ~1e9 with its bf16
     `tl.dot` on bit patterns (tests/fla_interpreted.py); 160-720 with v's heads swapped or beta
     before its sigmoid, far more with g in linear space."""
-    op, per_channel = CASES[case]
-    if op == "prefill":
-        ref = delta_rule_prefill(*_bf16_operands(_prefill_args(per_channel)))
-    else:
-        ref = delta_rule_decode(*_bf16_operands(_decode_args(per_channel)))
+    ref = delta_rule_op(case)(*bf16_operands(case_args(case)))
     (o, final), (o_ref, final_ref) = interpreted[f"{case}-bf16"], ref
     assert o.dtype == final.dtype == torch.float32
-    assert _rel_err(o, o_ref) < 2 * BF16_ULP and _rel_err(final, final_ref) < 2 * BF16_ULP
+    assert rel_err(o, o_ref) < 2 * BF16_ULP and rel_err(final, final_ref) < 2 * BF16_ULP
     exact = interpreted[case]  # the fp32 run: bf16 operands really reached the kernels
     assert not torch.equal(o, exact[0])
 
@@ -139,7 +93,7 @@ def test_fixed_shape_step_through_fla_matches_cpu_decode(model, interpreted):
     assert len(fixed) == len(eager) > 1
     for ours, ref in zip(fixed, eager):
         assert ours.argmax(-1).tolist() == ref.argmax(-1).tolist()
-        assert _rel_err(ours, ref) < 1e-5
+        assert rel_err(ours, ref) < 1e-5
 
 
 def test_reference_imports_keep_fla_importable(interpreted):

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from serving import KIMI, running_server
-from test_serving_dasc import offline_arm
-from test_serving_exact import FAMILY, PROMPT_A, PROMPT_B, Reference
+from serving_reference import FAMILY, PROMPT_A, PROMPT_B, Reference, offline_arm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 READY_S = 900  # a cold Triton cache: the server compiles fla's kernels and captures its graphs

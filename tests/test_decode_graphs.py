@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_schedule import assert_near, new_runner, run_schedule
 from random_checkpoints import make_model
-from runner_scenarios import Pages, check_against_reference, make_runner, run_scenarios
+from runner_scenarios import (
+    CONFIGS,
+    PAGE,
+    STEPS,
+    check_against_reference,
+    make_runner,
+    prompts,
+    run_scenarios,
+)
 from serving import KIMI, QWEN
-from test_runner_exact import CONFIGS, STEPS, prompts
 
 from model_runner.batch import SeqInput
 from model_runner.cuda_graph import capture_batch_sizes, context_bucket
 from model_runner.layers import mlp
-from model_runner.runner import ModelRunner, RunnerConfig
-
-PAGE = 4
-PROMPT_LENS = (250, 37, 5, 20, 61)  # the first crosses the 256 -> 512 context bucket
 
 
 def test_batch_sizes_and_buckets():
@@ -39,47 +43,6 @@ def test_what_the_fixed_shape_path_takes():
     assert not graphs.fits([SeqInput([1], 512, [], 1)])  # past the largest bucket: eager
     assert not graphs.fits([SeqInput([1, 2], 3, [], 1)])  # prefill
     assert not graphs.fits([SeqInput([1], 3, [], i) for i in range(1, 6)])  # above max bs
-
-
-def assert_near(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
-    """Elementwise within ``rel`` of the reference's largest magnitude (FP32 reassociation)."""
-    torch.testing.assert_close(ours, ref, rtol=0, atol=rel * ref.abs().max().item())
-
-
-def new_runner(model_dir, device: str, max_bs: int) -> ModelRunner:
-    runner = ModelRunner(RunnerConfig(str(model_dir), device=device, num_pages=160,
-                                      page_size=PAGE, num_state_slots=12,
-                                      cuda_graph_max_bs=max_bs, cuda_graph_max_context=512))
-    gen = torch.Generator().manual_seed(3)  # sentinels: every row and slot starts non-zero
-    for cache in runner.kv.caches:
-        cache.copy_(torch.randn(cache.shape, generator=gen))
-    runner.state.temporal.copy_(torch.randn(runner.state.temporal.shape, generator=gen))
-    runner.state.conv.copy_(torch.randn(runner.state.conv.shape, generator=gen))
-    return runner
-
-
-def decode_schedule(vocab: int) -> list[list[SeqInput]]:
-    """Sequences and the decode steps they join: 5 (pads to 8), 3 (pads to 4), then 2 plus a
-    fresh one-token prompt.  Slots and pages are scattered."""
-    pages = Pages(160)
-    seqs = [SeqInput(p, 0, pages.take(len(p) + 12), slot)
-            for p, slot in zip(prompts(vocab, PROMPT_LENS), (7, 2, 11, 4, 9))]
-    fresh = SeqInput([5], 0, pages.take(8), 3)
-    return [seqs] * 4 + [seqs[1:4]] * 3 + [[seqs[0], seqs[4], fresh]] * 3
-
-
-def run_schedule(runner: ModelRunner, tokens_from: list[torch.Tensor] | None = None):
-    """Prefill, then the schedule; the next tokens are ``tokens_from`` when given (so two
-    runners see the same inputs), else greedy.  Returns per-step logits."""
-    steps = decode_schedule(runner.vocab_size)
-    logits = [runner.forward(steps[0])]
-    for i, step in enumerate(steps):
-        chosen = (tokens_from[i] if tokens_from else logits[-1]).argmax(-1).tolist()
-        for s, t in zip(steps[i - 1] if i else steps[0], chosen):
-            s.prefix_len += len(s.token_ids)
-            s.token_ids = [t]
-        logits.append(runner.forward(step))
-    return logits, steps
 
 
 MANY_EXPERTS = {"kda-moe64": {"num_local_experts": 64}, "gdn-moe64": {"num_experts": 64}}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from logprob_helpers import joined_logprobs, text_of
 from serving import KIMI, running_server
-from test_logprobs_openai import joined_logprobs, text_of
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig

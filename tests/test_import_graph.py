@@ -1,4 +1,5 @@
-"""The project's import graph has no cycle, and the HTTP load generator imports no torch.
+"""The project's import graph has no cycle, the HTTP load generator imports no torch, and no test
+module imports another.
 
 Every ``import`` counts, also those inside functions: a lazy import only hides a cycle from the
 interpreter, not from a reader (``dasc-eval`` once dispatched to the report, which imported its
@@ -26,6 +27,22 @@ def project_modules(root: Path) -> dict[str, Path]:
     return modules
 
 
+def imported_names(path: Path, package: str) -> list[str]:
+    """What each import of the module at `path` names: ``a.b`` for ``import a.b``, ``a.b.c`` for
+    ``from a.b import c``; relative imports resolved against `package`, the module's own."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + [base] if base else parts)
+            names += [f"{base}.{a.name}" for a in node.names]
+    return names
+
+
 def import_graph(root: Path) -> dict[str, set[str]]:
     """module -> the project modules it imports (a name imported from a module counts as that
     module unless it is a submodule itself)."""
@@ -39,16 +56,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     graph = {}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        names = []
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names += [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(parts + [base] if base else parts)
-                names += [f"{base}.{a.name}" for a in node.names]
+        names = imported_names(path, package)
         graph[module] = {m for m in map(owner, names) if m and m != module}
     return graph
 
@@ -105,6 +113,38 @@ def test_a_cycle_is_found(tmp_path):
     (package / "report.py").write_text("from .cli import load\ndef run():\n    pass\n")
     (package / "plain.py").write_text("import loadgen.report\n")
     assert cycles(import_graph(tmp_path)) == [["loadgen.cli", "loadgen.report"]]
+
+
+def imported_test_modules(tests: Path) -> dict[str, list[str]]:
+    """test module of `tests` -> the test modules it imports (``import test_x``, ``from test_x
+    import ...``, ``from tests.test_x import ...``, ``from tests import test_x``, relative)."""
+    found = {}
+    for path in sorted(tests.glob("test_*.py")):
+        parts = [name.split(".") for name in imported_names(path, "tests")]
+        modules = {p[1] if p[0] == "tests" and len(p) > 1 else p[0] for p in parts}
+        if imported := sorted(m for m in modules if m.startswith("test_")):
+            found[path.stem] = imported
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in a helper module under tests/ named for what it
+    holds (`serving`, `http_helpers`, `serving_reference`, `runner_scenarios`, ...): a test
+    module imported as a library runs its module-level setup in the importer, and a reader
+    looking for a helper would have to guess which test needed it first."""
+    assert imported_test_modules(ROOT / "tests") == {}
+
+
+def test_a_test_module_import_is_found(tmp_path):
+    """The checker itself: every spelling of an import of a test module, also inside a function;
+    a helper module may import what it likes (it is not checked)."""
+    (tmp_path / "test_a.py").write_text("import test_b as lane\nfrom serving import ids\n")
+    (tmp_path / "test_b.py").write_text("import serving\nfrom serving import test_url\n")
+    (tmp_path / "test_c.py").write_text("def f():\n    from tests.test_b import x\n")
+    (tmp_path / "test_d.py").write_text("from tests import test_a, serving\nfrom . import test_b\n")
+    (tmp_path / "helpers.py").write_text("import test_a\n")
+    assert imported_test_modules(tmp_path) == {
+        "test_a": ["test_b"], "test_c": ["test_b"], "test_d": ["test_a", "test_b"]}
 
 
 def imports_torch(modules: tuple[str, ...]) -> bool:

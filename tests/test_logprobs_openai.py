@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import openai
 import pytest
+from logprob_helpers import joined_logprobs, text_of
 from serving import KIMI, running_server
-from test_server_api import EOS
 
 from dasc_server.detokenizer import TextOffsets
 
@@ -21,14 +21,6 @@ def oai():
     with running_server("--max-total-tokens", "512") as s, openai.OpenAI(
             base_url=f"{s.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
         yield client
-
-
-def text_of(token_id: int) -> str:
-    """How OpenAI names a token of the built-in byte tokenizer: its text, ``bytes:\\xNN`` for
-    part of a character, a special token by its name."""
-    if token_id == EOS:
-        return "<eos>"
-    return chr(token_id) if token_id < 128 else f"bytes:\\x{token_id:02x}"
 
 
 def complete(oai, stream: bool = False, **kwargs):
@@ -56,20 +48,6 @@ def test_completion_top_logprobs(oai, k, temperature):
     seeded = complete(oai, temperature=temperature, seed=5).choices[0]
     assert seeded.model_extra["token_ids"] == ids  # logprobs change no sampled token
     assert seeded.logprobs is None
-
-
-def joined_logprobs(chunks) -> tuple[list, list, list, list]:
-    """A completions stream's logprobs pieces joined: (tokens, token_logprobs, top_logprobs,
-    text_offset), to compare with the JSON answer's."""
-    tokens, logprobs, tops, offsets = [], [], [], []
-    for chunk in chunks:
-        lp = chunk.choices[0].logprobs if chunk.choices else None
-        if lp is not None:
-            tokens += lp.tokens
-            logprobs += lp.token_logprobs
-            tops += lp.top_logprobs
-            offsets += lp.text_offset
-    return tokens, logprobs, tops, offsets
 
 
 def test_completion_logprobs_stream_as_json(oai):

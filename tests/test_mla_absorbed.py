@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_schedule import PROMPT_LENS, assert_near, new_runner, run_schedule
 from random_checkpoints import make_model
 from runner_scenarios import Pages
-from test_decode_graphs import PROMPT_LENS, assert_near, new_runner, run_schedule
 
 from model_runner.batch import SeqInput
 from model_runner.layers.attention import causal_attention

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_forms import moe, run
+from moe_layers import moe, run
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,

@@ -8,15 +8,14 @@ import json
 
 import httpx
 import pytest
-from serving import KIMI, running_server
+from serving import KIMI
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def url():
-    with running_server() as s:
-        yield s.base_url
+def url(default_server) -> str:
+    return default_server.base_url
 
 
 def generate(url: str, body: dict) -> httpx.Response:

@@ -16,8 +16,8 @@ import json
 import httpx
 import openai
 import pytest
-from serving import KIMI, running_server
-from test_server_api import complete, ids, post, stats, stream_chunks, wait_idle
+from http_helpers import complete, post, stats, stream_chunks, wait_idle
+from serving import KIMI, ids, running_server
 
 MODEL_NAME = KIMI.name
 POOL = 512  # --max-total-tokens: below the 8192-token context, so it is the bound

@@ -6,32 +6,14 @@ import pytest
 import torch
 from random_checkpoints import make_model
 from runner_scenarios import (
+    CONFIGS,
+    STEPS,
     check_against_reference,
     make_runner,
+    prompts,
     reference_logits,
     run_scenarios,
 )
-
-STEPS = 16
-CONFIGS = {
-    # KDA with odd head count, q-LoRA MLA, grouped expert routing, two dense-first layers
-    "kda-odd-heads-qlora": ("kda", dict(linear_attn_config={"num_heads": 3}, q_lora_rank=24,
-                                        num_local_experts=8, n_group=2, topk_group=1,
-                                        first_k_dense_replace=2, num_attention_heads=3,
-                                        num_key_value_heads=3)),
-    "kda-moe": ("kda", dict(num_hidden_layers=5, full_attn_layers=[3])),
-    # GDN with GVA ratio 2, a dense MLP layer among MoE layers, a single KV head
-    "gdn-gva2-mixed-mlp": ("gdn", dict(mlp_only_layers=[1], num_key_value_heads=1)),
-    "gdn-gva3-odd": ("gdn", dict(linear_num_key_heads=1, linear_num_value_heads=3,
-                                 num_attention_heads=3, num_key_value_heads=3,
-                                 num_hidden_layers=3, layer_types=["linear_attention",
-                                 "full_attention", "linear_attention"])),
-}
-
-
-def prompts(vocab: int, lengths=(37, 5, 20), seed=0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

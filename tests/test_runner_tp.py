@@ -16,8 +16,7 @@ import pytest
 import torch
 from conftest import TESTS
 from random_checkpoints import make_model
-from runner_scenarios import assert_rel_close, check_against_reference
-from test_runner_exact import STEPS, prompts
+from runner_scenarios import STEPS, assert_rel_close, check_against_reference, prompts
 
 JOBS = {
     2: [("gdn", dict(linear_num_key_heads=4, linear_num_value_heads=8)),  # GVA ratio 2

@@ -5,10 +5,9 @@ batch invariance (a request's tokens do not depend on the other rows and their c
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
+from logit_controls_reference import reference
 
 from model_runner.sampling import LogitControlTable, RequestControls, sample_tokens
 from scheduler.rank_messages import LogitControls, Sample
@@ -30,21 +29,6 @@ def spec(index: int, temperature: float = 0.0, seed: int = 3, top_p: float = 1.0
 
 def random_logits(seed: int, rows: int = 1) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-
-
-def reference(logits: torch.Tensor, c: LogitControls, prompt: list[int], output: list[int]
-              ) -> torch.Tensor:
-    """The controlled logits, written out token by token from the documented semantics."""
-    x = logits.double().clone()
-    for t in set(prompt) | set(output) if c.repetition_penalty != 1.0 else ():
-        x[t] = x[t] / c.repetition_penalty if x[t] > 0 else x[t] * c.repetition_penalty
-    for t, n in Counter(output).items():
-        x[t] -= c.frequency_penalty * n + c.presence_penalty
-    for t, b in c.logit_bias.items():
-        x[t] += b
-    if len(output) < c.min_tokens:
-        x[c.banned_ids] = float("-inf")
-    return x.float()
 
 
 def history(c: LogitControls, output: list[int]) -> RequestControls:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logit_controls_reference import reference
 from serving import KIMI
-from test_sampling_controls import reference
 
 from dasc_server.flags import parse_args, serve_config
 from model_runner.batch import SeqInput

@@ -16,13 +16,10 @@ import json
 import pytest
 import torch
 from serving import KIMI, QWEN, running_server
+from serving_reference import NUM_TOKENS, offline_arm
 
-from loadgen.quality.arms import apply_arm, prepare_arm
 from loadgen.quality.tasks import make_instances
-from model_runner.batch import SeqInput
-from model_runner.runner import ModelRunner, RunnerConfig
 
-NUM_TOKENS = 8
 # (arm, model, server flags, the arm it must be told apart from)
 CASES = [("nr@128", KIMI, [], "dense"), ("wr@128", KIMI, ["--load-policy", "wr"], "nr@128"),
          ("nr-int8@16", KIMI, ["--int8-checkpoints"], "dense"),
@@ -31,26 +28,6 @@ CASES = [("nr@128", KIMI, [], "dense"), ("wr@128", KIMI, ["--load-policy", "wr"]
          ("nr@128", KIMI, ["--tp", "2", "--placement", "hybrid"], "dense"),
          ("wr@512", QWEN, ["--tp", "2", "--placement", "storage", "--load-policy", "wr"],
           "nr@512")]
-
-
-def offline_arm(model_dir, arm: str, context: list[int], question: list[int],
-                num_tokens: int = NUM_TOKENS) -> tuple[list[int], list[float]]:
-    """What ``dasc-eval`` computes for one instance: prefill the context, apply the arm's
-    store/load (and refresh), prefill the question, decode greedily; tokens and logprobs."""
-    rc = RunnerConfig(str(model_dir), num_pages=64, page_size=16, num_state_slots=3)
-    runner = ModelRunner(rc)
-    prepare_arm(runner, arm, batch=1)
-    seq = SeqInput(context, 0, list(range(64)), 1)
-    runner.forward([seq])
-    seq.prefix_len, seq.token_ids = len(context), question
-    apply_arm(runner, [seq], arm, [context])
-    tokens, logprobs = [], []
-    for _ in range(num_tokens):
-        logp = torch.log_softmax(runner.forward([seq])[0].float(), dim=-1)
-        tokens.append(int(logp.argmax()))
-        logprobs.append(float(logp[tokens[-1]]))
-        seq.prefix_len, seq.token_ids = seq.prefix_len + len(seq.token_ids), tokens[-1:]
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("arm,model,flags,other", CASES,

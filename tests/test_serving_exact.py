@@ -9,41 +9,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serving import KIMI, QWEN, running_server
-
-from model_runner.engine import OfflineEngine
-from model_runner.runner import ModelRunner, RunnerConfig
+from serving import KIMI, QWEN, ids, running_server
+from serving_reference import FAMILY, MAX_TOKENS, PROMPT_A, PROMPT_B, SHARED, Reference
 
 INTERVAL = 32
-MAX_TOKENS = 6
-NEEDLE = ("The grass is green. kqzvb: 48213. The sky is blue. mdrte: 90318. Here we go.\n"
-          "value of {key}:")
-SHARED = "Facts to remember. " * 4  # 76 bytes: crosses two checkpoint intervals
-
-
-def ids(text: str) -> list[int]:
-    return list(text.encode())  # the built-in models' byte tokenizer
-
-
-PROMPT_A = ids(NEEDLE.format(key="kqzvb"))
-PROMPT_B = ids(NEEDLE.format(key="mdrte") + " and more")
-FAMILY = [ids(SHARED + tail) for tail in ("sky?", "grass is", "the answer to life", "z")]
 SHORT = ids("Hi there.")  # shorter than the checkpoint interval
-
-
-class Reference:
-    """Greedy tokens of the offline engine, one fresh computation per prompt (no cache)."""
-
-    def __init__(self, model_dir):
-        rc = RunnerConfig(str(model_dir), num_pages=64, page_size=16, num_state_slots=2)
-        self.engine = OfflineEngine(ModelRunner(rc))
-        self.memo: dict[tuple[int, ...], list[int]] = {}
-
-    def __call__(self, prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
-        if key not in self.memo:
-            self.memo[key] = self.engine.generate([prompt], MAX_TOKENS)[0]
-        return self.memo[key]
 
 
 @pytest.fixture(scope="module", params=[(KIMI, 1), (KIMI, 2), (QWEN, 1), (QWEN, 2)],

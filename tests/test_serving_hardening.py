@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from process_helpers import children_of, children_running, wait_group_gone
 from serving import KIMI, running_server
-from test_serving_exact import Reference
-from test_serving_lifecycle import children_of, children_running, wait_group_gone
+from serving_reference import Reference
 
 KEY = "test-key-5b1e"
 AUTH = {"Authorization": f"Bearer {KEY}"}

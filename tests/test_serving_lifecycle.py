@@ -12,37 +12,12 @@ import sys
 import time
 
 import pytest
+from process_helpers import children_of, children_running, wait_group_gone
 from serving import KIMI, running_server
 
 from dasc_server import launch
 from dasc_server.spawn import descendants
 from scheduler.ipc import free_port
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def children_of(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def children_running(pid: int, needle: str) -> list[int]:
-    """Children of ``pid`` whose command line (NUL-separated) contains ``needle``."""
-    return [p for p in children_of(pid) if needle in open(f"/proc/{p}/cmdline").read()]
-
-
-def wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not group_alive(pgid), "a server process outlived dasc-serve"
 
 
 def wait_exit(proc: subprocess.Popen, timeout: float) -> int:

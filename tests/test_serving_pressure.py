@@ -9,7 +9,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 from serving import KIMI, running_server
-from test_serving_exact import Reference
+from serving_reference import Reference
 
 NUM_REQUESTS = 24
 
