@@ -166,3 +166,14 @@ def test_dasc_serve_help_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip().endswith("False False"), out
+
+
+def test_dasc_serve_validates_a_model_folder_without_torch() -> None:
+    """The launcher checks the model folder (TP degree, weight headers) before it starts any
+    process; importing torch for that cost every start ~3 s of CPU (``model_files.py``)."""
+    code = ("import sys; from dasc_server.flags import parse_args, validate\n"
+            "validate(parse_args(['--tp', '2']))\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out
