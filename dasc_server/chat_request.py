@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from dasc_server.generation_request import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
-    refuse_unless_neutral,
 )
 
 
@@ -77,14 +76,6 @@ class ChatCompletionRequest(GenerationRequest):
         if top and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return top
-
-    @field_validator("functions", "function_call", "audio",
-                     "modalities", "prediction", "reasoning_effort", "web_search_options",
-                     "add_generation_prompt", "continue_final_message", "chat_template",
-                     "chat_template_kwargs")
-    @classmethod
-    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
 
     @property
     def wants_logprobs(self) -> bool:

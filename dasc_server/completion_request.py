@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, StrictBool, StrictInt, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator
 
 from dasc_server.generation_request import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
     Prompt,
-    refuse_unless_neutral,
 )
 
 
@@ -26,11 +25,6 @@ class CompletionRequest(GenerationRequest):
     echo: StrictBool | None = False  # the prompt before the completion (and its logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top-k per token
     suffix: Any = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
 
     @field_validator("prompt")
     @classmethod

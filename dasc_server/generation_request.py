@@ -36,13 +36,25 @@ def refuse_unless_neutral(value: Any, neutral: tuple) -> Any:
     return value
 
 
-class GenerationRequest(BaseModel):
+class NeutralOnly(BaseModel):
+    """A request body whose ``UNSUPPORTED`` fields (field -> the values that mean "off", each
+    declared as ``Any = None``) are refused at any other value; a subclass extends the map."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    @field_validator("*")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = cls.UNSUPPORTED.get(info.field_name)
+        return value if neutral is None else refuse_unless_neutral(value, neutral)
+
+
+class GenerationRequest(NeutralOnly):
     """Fields shared by both routes.  Unknown fields are ignored (clients send many); the known
     ones this server cannot honour are refused (``UNSUPPORTED``)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    # field -> the values that mean "off" (the field declared as ``Any = None`` below)
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "min_p": (None, 0),
         "use_beam_search": (None, False),
@@ -90,11 +102,6 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
-
-    @field_validator(*UNSUPPORTED)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
 
     @field_validator("best_of")
     @classmethod

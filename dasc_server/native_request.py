@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from dasc_server.completion_request import CompletionRequest
-from dasc_server.generation_request import refuse_unless_neutral
+from dasc_server.generation_request import NeutralOnly
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(NeutralOnly):
     """SGLang's ``sampling_params`` with SGLang's defaults (``max_new_tokens`` 128).  Unknown
     keys are refused, and so are the known ones this server cannot honour, unless neutral."""
 
@@ -48,13 +48,8 @@ class NativeSamplingParams(BaseModel):
     stop_regex: Any = None
     custom_params: Any = None
 
-    @field_validator(*UNSUPPORTED)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
 
-
-class NativeGenerateRequest(BaseModel):
+class NativeGenerateRequest(NeutralOnly):
     """``POST /generate`` as SGLang takes it, one prompt: ``text`` or ``input_ids``.  Fields
     beyond these are refused (a batch, logprobs, LoRA, images...), never ignored; ``rid``,
     ``log_metrics`` and ``no_logs`` do not change the output and are accepted."""
@@ -96,11 +91,6 @@ class NativeGenerateRequest(BaseModel):
     custom_logit_processor: Any = None
     data_parallel_rank: Any = None
     session_params: Any = None
-
-    @field_validator(*UNSUPPORTED)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_unless_neutral(value, cls.UNSUPPORTED[info.field_name])
 
     @field_validator("input_ids")
     @classmethod
