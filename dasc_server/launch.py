@@ -78,12 +78,13 @@ class ChildErrors:
         return f"{what}: {self.lines[0]}" if self.lines else what
 
 
-def _spawn(cmd: list[str], env: dict[str, str], errors: ChildErrors) -> subprocess.Popen:
+def _spawn(cmd: list[str], env: dict[str, str], errors: ChildErrors,
+           pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start a child with SIGINT ignored (inherited through exec; Python keeps it ignored)."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True,
-                                errors="replace", bufsize=1)
+                                errors="replace", bufsize=1, pass_fds=pass_fds)
     finally:
         signal.signal(signal.SIGINT, previous)
     return errors.relay(proc)
@@ -91,20 +92,27 @@ def _spawn(cmd: list[str], env: dict[str, str], errors: ChildErrors) -> subproce
 
 def start_children(args: argparse.Namespace, config: ServeConfig, errors: ChildErrors
                    ) -> dict[str, subprocess.Popen]:
-    """The scheduler (node 0 only) and this node's ranks, each handed ``config`` whole."""
-    rank_port, front_port = ipc.free_port(), ipc.free_port()
-    args.frontend_port = front_port
+    """The scheduler (node 0 only) and this node's ranks, each handed ``config`` whole.  The
+    scheduler's two listening sockets are bound here and passed down, so their ports are taken
+    before anyone is told them (only rank 0, on node 0, connects to the scheduler)."""
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env[ipc.AUTHKEY_ENV] = ipc.new_authkey()
     os.environ[ipc.AUTHKEY_ENV] = env[ipc.AUTHKEY_ENV]
     py, as_json = sys.executable, config.to_json()
-    sched = [py, "-m", "scheduler", "--rank-port", str(rank_port), "--frontend-port",
-             str(front_port), "--config", as_json]
-    ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", "--scheduler-port",
-             str(rank_port), "--config", as_json]
     if args.node_rank > 0:
+        ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", "--scheduler-port",
+                 "0", "--config", as_json]
         return {"ranks": _spawn(ranks, env, errors)}
-    return {"scheduler": _spawn(sched, env, errors), "ranks": _spawn(ranks, env, errors)}
+    rank_sock, front_sock = ipc.listening_socket(), ipc.listening_socket()
+    args.frontend_port = front_sock.getsockname()[1]
+    fds = (rank_sock.fileno(), front_sock.fileno())
+    sched = [py, "-m", "scheduler", "--rank-fd", str(fds[0]), "--frontend-fd", str(fds[1]),
+             "--config", as_json]
+    ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", "--scheduler-port",
+             str(rank_sock.getsockname()[1]), "--config", as_json]
+    with rank_sock, front_sock:  # the scheduler holds its own copies once started
+        scheduler = _spawn(sched, env, errors, pass_fds=fds)
+    return {"scheduler": scheduler, "ranks": _spawn(ranks, env, errors)}
 
 
 TORCHRUN = "model_runner.quiet_torchrun"  # torchrun, quiet when the ranks stop or fail

@@ -131,8 +131,10 @@ def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scheduler",
                                 description="dasc scheduler process (started by dasc-serve).")
-    p.add_argument("--rank-port", type=int, required=True, help="rank 0 connects here")
-    p.add_argument("--frontend-port", type=int, required=True, help="the front end connects here")
+    p.add_argument("--rank-fd", type=int, required=True,
+                   help="inherited listening socket rank 0 connects to")
+    p.add_argument("--frontend-fd", type=int, required=True,
+                   help="inherited listening socket the front end connects to")
     p.add_argument("--config", required=True, help="the ServeConfig, as JSON")
     args = p.parse_args(argv)
     try:
@@ -140,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: scheduler: {e}", file=sys.stderr)
         return 2
-    rank_listener = ipc.listen(args.rank_port)
-    front_listener = ipc.listen(args.frontend_port)
+    rank_listener = ipc.InheritedListener(args.rank_fd)  # bound by the launcher
+    front_listener = ipc.InheritedListener(args.frontend_fd)
     # the front end first: its handshake must not wait on a rank that may never connect (the
     # launcher watches the ranks while it waits for ServerInfo and stops everything if they die)
     front = ipc.accept(front_listener)

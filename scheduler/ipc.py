@@ -17,7 +17,13 @@ import pickle
 import secrets
 import socket
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
 
 from scheduler import messages
 
@@ -70,7 +76,37 @@ def no_delay(conn: Connection) -> Connection:
     return conn
 
 
-def accept(listener: Listener) -> Connection:
+def listening_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a free port, for the process that binds it to hand to a child
+    (``pass_fds``, then ``InheritedListener``).  A port chosen with ``free_port`` is free again
+    until its listener binds it, and under load another process took it in that window
+    (``OSError: [Errno 98] Address already in use`` at the scheduler's start)."""
+    sock = socket.socket()
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+class InheritedListener:
+    """``Listener`` over a listening socket passed down by file descriptor: ``accept`` runs the
+    same HMAC handshake as ``Listener.accept`` (deliver a challenge, then answer one)."""
+
+    def __init__(self, fd: int):
+        self._sock = socket.socket(fileno=fd)
+
+    def accept(self) -> Connection:
+        sock, _ = self._sock.accept()
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+        deliver_challenge(conn, authkey())
+        answer_challenge(conn, authkey())
+        return conn
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def accept(listener: Listener | InheritedListener) -> Connection:
     return no_delay(listener.accept())
 
 

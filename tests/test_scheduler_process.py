@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -81,3 +83,41 @@ def test_chunk_budget_flags():
     assert budget("--step-target-ms", "250") == 1024
     assert budget("--chunked-prefill-size", "300", "--step-target-ms", "250") == 300
     assert budget() == DEFAULT_CHUNKED_PREFILL == 2048
+
+
+def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
+    """The launcher binds the scheduler's listening sockets and passes them down by fd; a
+    client with the key gets a working connection, one with another key is refused."""
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from scheduler import ipc
+    from scheduler.messages import StatsReq
+
+    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
+    sock = ipc.listening_socket()
+    port = sock.getsockname()[1]
+    listener = ipc.InheritedListener(sock.detach())  # as the scheduler adopts its fd
+    accepted: list = []
+    server = threading.Thread(target=lambda: accepted.append(ipc.accept(listener)))
+    server.start()
+    conn = ipc.connect(port)
+    server.join(10)
+    ipc.send(conn, StatsReq())
+    assert isinstance(ipc.recv(accepted[0]), StatsReq)
+    errors: list = []
+
+    def refuse() -> None:
+        try:
+            listener.accept()
+        except AuthenticationError as e:
+            errors.append(e)
+
+    server = threading.Thread(target=refuse)
+    server.start()
+    with pytest.raises(AuthenticationError):
+        Client(("127.0.0.1", port), authkey=b"not the key")
+    server.join(10)
+    assert errors
+    listener.close()
