@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--host", default="127.0.0.1",
                    help="bind address (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--port", type=int, default=8000,
+                   help="HTTP port (0: a free one, named in the ready line)")
     p.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds to wait for the ranks to load the model")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -213,9 +214,9 @@ def validate(args: argparse.Namespace) -> None:
                  "decode_interleave"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
-    for flag, port in (("--port", args.port), ("--master-port", args.master_port)):
-        if not 1 <= port <= 65535:
-            raise ValueError(f"{flag} must lie in [1, 65535] (got {port})")
+    for flag, port, low in (("--port", args.port, 0), ("--master-port", args.master_port, 1)):
+        if not low <= port <= 65535:
+            raise ValueError(f"{flag} must lie in [{low}, 65535] (got {port})")
     check_device(args)
     if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
         raise ValueError("--checkpoint-slots must be at least 1")

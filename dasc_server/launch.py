@@ -288,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate(args)
         sock = bind_http(args.host, args.port) if args.node_rank == 0 else None
+        if sock is not None:
+            args.port = sock.getsockname()[1]  # --port 0: the one the system chose
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ torchrun) and the ranks, which torchrun starts in sessions of their own.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,9 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from scheduler.ipc import free_port
-
 ROOT = Path(__file__).resolve().parent.parent
+READY = re.compile(r"dasc-serve ready: (http://\S+)")
 
 
 @dataclass
@@ -54,13 +54,14 @@ class Server:
 
 @contextmanager
 def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:
-    port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="dasc-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "dasc_server.launch", "--port", str(port), *flags]
+    # --port 0: the launcher binds a free port itself and names it in its ready line (a port
+    # chosen here would be free, and takeable, until the launcher binds it)
+    cmd = [sys.executable, "-m", "dasc_server.launch", "--port", "0", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", proc, Path(log.name))
+    server = Server("", proc, Path(log.name))
     try:
         _wait_ready(server, timeout)
         yield server
@@ -76,7 +77,9 @@ def _wait_ready(server: Server, timeout: float) -> None:
         if server.proc.poll() is not None:
             raise RuntimeError(f"dasc-serve exited with {server.proc.returncode}:\n"
                                  f"{server.log()[-4000:]}")
-        if "dasc-serve ready" in server.log():
+        ready = READY.search(server.log())
+        if ready:
+            server.base_url = ready.group(1)
             try:
                 if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
                     return
