@@ -17,13 +17,7 @@ import pickle
 import secrets
 import socket
 import time
-from multiprocessing.connection import (
-    Client,
-    Connection,
-    Listener,
-    answer_challenge,
-    deliver_challenge,
-)
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
 from scheduler import messages
 
@@ -64,10 +58,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def listen(port: int, host: str = "127.0.0.1") -> Listener:
-    return Listener((host, port), authkey=authkey())
-
-
 def no_delay(conn: Connection) -> Connection:
     """Send small frames at once: without TCP_NODELAY, Nagle's algorithm and delayed ACKs held
     a stream's second token back ~40 ms and then released ~10 at once (issue 18)."""
@@ -97,16 +87,16 @@ class InheritedListener:
     def accept(self) -> Connection:
         sock, _ = self._sock.accept()
         sock.setblocking(True)
-        conn = Connection(sock.detach())
-        deliver_challenge(conn, authkey())
-        answer_challenge(conn, authkey())
+        conn, key = Connection(sock.detach()), authkey()
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
         return conn
 
     def close(self) -> None:
         self._sock.close()
 
 
-def accept(listener: Listener | InheritedListener) -> Connection:
+def accept(listener: InheritedListener) -> Connection:
     return no_delay(listener.accept())
 
 

@@ -21,10 +21,11 @@ def ids(text: str) -> list[int]:
 
 
 def ipc_pair(monkeypatch) -> tuple[Connection, Connection]:
-    """Two ends of one real authenticated IPC connection on a free port: (client, server)."""
+    """Two ends of one real authenticated IPC connection, made as the scheduler makes its
+    connections: (client, server)."""
     monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
-    port = ipc.free_port()
-    listener = ipc.listen(port)
+    sock = ipc.listening_socket()  # as the launcher binds the scheduler's, adopted by fd
+    port, listener = sock.getsockname()[1], ipc.InheritedListener(sock.detach())
     accepted: list = []
     acceptor = threading.Thread(target=lambda: accepted.append(ipc.accept(listener)))
     acceptor.start()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from serving import ipc_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,29 +43,20 @@ def test_ipc_connections_send_small_frames_at_once(monkeypatch):
     and a message still round-trips."""
     import os
     import socket
-    import threading
 
     from scheduler import ipc
     from scheduler.messages import Shutdown
 
-    monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
-    port = ipc.free_port()
-    listener = ipc.listen(port)
-    client: list = []
-    t = threading.Thread(target=lambda: client.append(ipc.connect(port, timeout=10)))
-    t.start()
-    server = ipc.accept(listener)
-    t.join(10)
+    client, server = ipc_pair(monkeypatch)
     try:
-        for conn in (server, client[0]):
+        for conn in (server, client):
             with socket.socket(fileno=os.dup(conn.fileno())) as s:
                 assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
-        ipc.send(client[0], Shutdown())
+        ipc.send(client, Shutdown())
         assert isinstance(ipc.recv(server), Shutdown)
     finally:
         server.close()
-        client[0].close()
-        listener.close()
+        client.close()
 
 
 def test_chunk_budget_flags():
@@ -86,8 +77,8 @@ def test_chunk_budget_flags():
 
 
 def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
-    """The launcher binds the scheduler's listening sockets and passes them down by fd; a
-    client with the key gets a working connection, one with another key is refused."""
+    """The launcher binds the scheduler's listening sockets and passes them down by fd
+    (``ipc_pair`` connects the same way); a client with another key is refused."""
     import threading
     from multiprocessing import AuthenticationError
     from multiprocessing.connection import Client
@@ -97,27 +88,27 @@ def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
 
     monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
     sock = ipc.listening_socket()
-    port = sock.getsockname()[1]
-    listener = ipc.InheritedListener(sock.detach())  # as the scheduler adopts its fd
-    accepted: list = []
-    server = threading.Thread(target=lambda: accepted.append(ipc.accept(listener)))
-    server.start()
-    conn = ipc.connect(port)
-    server.join(10)
-    ipc.send(conn, StatsReq())
-    assert isinstance(ipc.recv(accepted[0]), StatsReq)
-    errors: list = []
+    port, listener = sock.getsockname()[1], ipc.InheritedListener(sock.detach())
+    refused: list = []
 
-    def refuse() -> None:
+    def expect_refusal(connect) -> None:
         try:
-            listener.accept()
+            connect()
         except AuthenticationError as e:
-            errors.append(e)
+            refused.append(e)
 
-    server = threading.Thread(target=refuse)
-    server.start()
-    with pytest.raises(AuthenticationError):
-        Client(("127.0.0.1", port), authkey=b"not the key")
-    server.join(10)
-    assert errors
+    # threads, so that a listener that skipped the handshake fails the test instead of hanging
+    threads = [threading.Thread(target=expect_refusal, args=(listener.accept,), daemon=True),
+               threading.Thread(target=expect_refusal, daemon=True, args=(
+                   lambda: Client(("127.0.0.1", port), authkey=b"not the key"),))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(refused) == 2  # both ends saw the wrong key
     listener.close()
+    client, server = ipc_pair(monkeypatch)  # the right key: a working connection
+    ipc.send(client, StatsReq())
+    assert isinstance(ipc.recv(server), StatsReq)
+    client.close()
+    server.close()
