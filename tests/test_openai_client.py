@@ -188,11 +188,14 @@ def test_leaving_a_stream_of_n_samples_aborts_every_one(url):
 
 def test_leaving_a_json_request_of_n_samples_aborts_every_one(url):
     before = wait_idle(url)["num_steps"]
-    body = {"prompt": "Long stories:", "n": 4, "max_tokens": 100, "temperature": 1.0,
+    # Each sample reserves ~long rows of the pool, so they run one after another: ~4 * long
+    # steps in all, which no machine finishes within the 0.5 s the client waits.
+    long = 400
+    body = {"prompt": "Long stories:", "n": 4, "max_tokens": long, "temperature": 1.0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         post(url, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.5))
-    assert wait_idle(url)["num_steps"] - before < 4 * 100 // 2, "samples ran on"
+    assert wait_idle(url)["num_steps"] - before < 4 * long // 2, "samples ran on"
 
 
 # ---- defaults and errors -----------------------------------------------------------------------
