@@ -21,12 +21,12 @@ import math
 import sys
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from client.cli_help import DefaultsHelpFormatter
 from loadgen.phases import phase_dataset, plan_phases, run_phases
 from loadgen.runner import Progress, run_sequential, run_window
-from loadgen.stream import ServerAdmin, make_client
+from loadgen.stream import ServerAdmin, make_client, url_path
 from loadgen.summary import format_table, summarize
 from loadgen.workload import (
     PromptFileError,
@@ -83,12 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def check_reachable(client: httpx.AsyncClient, base_url: str) -> None:
+async def check_reachable(client: aiohttp.ClientSession, base_url: str) -> None:
     """One GET before anything else: a wrong URL or a server that is down becomes one error
     that names the URL, not a failure of every request.  Any HTTP answer will do."""
     try:
-        await client.get("/v1/models")
-    except httpx.TransportError as e:
+        async with client.get(url_path("/v1/models")) as r:
+            await r.read()
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
         raise ConnectionError(f"cannot reach {base_url}: {e or type(e).__name__}") from None
 
 
@@ -141,7 +142,7 @@ async def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
         return lines, summary
 
 
-async def _run_phases(args: argparse.Namespace, client: httpx.AsyncClient,
+async def _run_phases(args: argparse.Namespace, client: aiohttp.ClientSession,
                       admin: ServerAdmin) -> tuple[list[dict], dict]:
     slots = args.boundary_slots
     if slots is None:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         lines, summary = asyncio.run(run(args))
-    except (PromptFileError, ValueError, RuntimeError, httpx.HTTPError, OSError) as e:
+    except (PromptFileError, ValueError, RuntimeError, aiohttp.ClientError, OSError) as e:
         print(f"dasc-loadgen: error: {e}", file=sys.stderr)
         return 1
     print(format_table(summary, f"dasc-loadgen {args.workload}"))

@@ -21,7 +21,7 @@ import math
 import random
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from loadgen.runner import Progress, Window, run_window
 from loadgen.stream import RequestResult, ServerAdmin
@@ -90,7 +90,7 @@ def _counter_delta(after: dict | None, before: dict | None) -> dict | None:
     return delta
 
 
-async def run_phases(client: httpx.AsyncClient, phases: list[Phase], dataset: list[list[int]],
+async def run_phases(client: aiohttp.ClientSession, phases: list[Phase], dataset: list[list[int]],
                      seed: int, concurrency: int, model: str | None = None,
                      max_tokens: int = 1, show_progress: bool = True) -> PhaseRun:
     admin = ServerAdmin(client)

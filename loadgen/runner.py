@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from loadgen.stream import RequestResult, send_streaming
@@ -40,7 +40,7 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_window(client: httpx.AsyncClient, requests: list[Request], concurrency: int,
+async def run_window(client: aiohttp.ClientSession, requests: list[Request], concurrency: int,
                      model: str | None = None, request_rate: float = math.inf, seed: int = 0,
                      progress: Progress | None = None) -> Window:
     n = len(requests)
@@ -72,7 +72,7 @@ async def run_window(client: httpx.AsyncClient, requests: list[Request], concurr
     return Window(results, time.perf_counter() - start)
 
 
-async def run_sequential(client: httpx.AsyncClient, requests: list[Request],
+async def run_sequential(client: aiohttp.ClientSession, requests: list[Request],
                          model: str | None = None) -> list[RequestResult]:
     """Warm-up: one at a time, in order, so each may hit the ones before it."""
     start = time.perf_counter()

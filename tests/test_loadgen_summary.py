@@ -1,17 +1,20 @@
-"""dasc-loadgen without a server: summary math on known inputs, SSE parsing (role-only and
-usage-only frames, cached tokens not reported), workloads and the phase plan."""
+"""dasc-loadgen without a dasc server: summary math on known inputs, SSE parsing against a
+small HTTP server on 127.0.0.1 that sends given frames (role-only and usage-only frames, cached
+tokens not reported, a line split across reads, a frame longer than aiohttp's default buffer),
+workloads and the phase plan."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-import httpx
 import numpy as np
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from loadgen.phases import plan_phases, replay_order
-from loadgen.stream import RequestResult, send_streaming
+from loadgen.stream import RequestResult, make_client, send_streaming
 from loadgen.summary import format_table, summarize
 from loadgen.workload import PromptFileError, Request, multi_turn, read_prompt_file, shared_prefix
 
@@ -65,17 +68,29 @@ def sse(frames: list[dict | str]) -> bytes:
                    for f in frames).encode()
 
 
-def stream_once(frames: list, status: int = 200) -> RequestResult:
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+def stream_once(frames: list, status: int = 200, piece: int = 0) -> RequestResult:
+    """One request against a server that answers with ``frames`` (written ``piece`` bytes at a
+    time when given, so lines arrive split across reads)."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         assert body["stream"] and body["stream_options"] == {"include_usage": True}
-        return httpx.Response(status, content=sse(frames) if status == 200 else
-                              json.dumps({"error": {"message": "nope"}}).encode())
+        if status != 200:
+            return web.json_response({"error": {"message": "nope"}}, status=status)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        data = sse(frames)
+        step = piece or len(data) or 1
+        for i in range(0, len(data), step):
+            await resp.write(data[i:i + step])
+        await resp.write_eof()
+        return resp
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
-                                     base_url="http://x") as client:
-            return await send_streaming(client, Request([1, 2, 3], 2), None, 0.0)
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        async with TestServer(app, host="127.0.0.1") as server:
+            async with make_client(str(server.make_url("/")), 1) as client:
+                return await send_streaming(client, Request([1, 2, 3], 2), None, 0.0)
 
     return asyncio.run(go())
 
@@ -93,6 +108,16 @@ def test_sse_role_and_usage_frames_are_not_tokens():
     assert r.error == "no generated content in the stream"
     r = stream_once([], status=400)
     assert r.error == "HTTP 400: nope"
+
+
+def test_sse_lines_split_across_reads_and_long_frames():
+    tok = {"choices": [{"index": 0, "text": "a"}]}
+    long = {"choices": [{"index": 0, "text": "b" * 200_000}]}  # past aiohttp's 64 KiB default
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
+                                      "prompt_tokens_details": {"cached_tokens": 2}}}
+    r = stream_once([tok, long, tok, usage, "[DONE]"], piece=7)
+    assert r.ok, r.error
+    assert r.output_tokens == 3 and len(r.itl_ms) == 2 and r.cached_tokens == 2
 
 
 def test_workloads(tmp_path):
