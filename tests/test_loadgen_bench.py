@@ -40,3 +40,18 @@ def test_tiny_matched_budget(tmp_path):
     assert "| dense | 7 |" in md and "dasc-nr W=128 hybrid" in md and "TTFT / dense" in md
     assert (out / "matched-budget.png").stat().st_size > 10_000
     assert len((out / "requests" / "dense.jsonl").read_text().splitlines()) == 42
+
+
+def test_client_cost_runs_both_clients_against_a_real_server(tmp_path):
+    """Each client's requests all reach the server (its TTFT histogram counts them) and come
+    back with a TTFT no shorter than the server's own."""
+    from loadgen.bench.client_cost import main as client_cost
+
+    out = tmp_path / "cc.json"
+    assert client_cost(["--prompts", "4", "--prompt-len", "16", "--requests", "12",
+                        "--concurrency", "4", "--rounds", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["client"] for r in rows] == ["aiohttp", "httpx"]
+    for r in rows:
+        assert r["requests"] == 12 and r["client_cpu_ms_per_request"] > 0
+        assert r["client_mean_ttft_ms"] >= r["server_mean_ttft_ms"] > 0

@@ -1,0 +1,143 @@
+"""What the load generator's HTTP client costs: the client's CPU per streamed request and the
+TTFT it reports, against the TTFT the server measures (its ``/metrics`` histogram, from the
+request's arrival at the front end), on an all-hit load that makes the server's own work small.
+
+    python -m loadgen.bench.client_cost [--clients aiohttp httpx] [--requests 960]
+        [--concurrency 32] [--rounds 2] -- [dasc-serve flags]
+
+One dasc-serve; ``--prompts`` distinct prompts are sent once (warm-up, stored at their ends),
+then ``--requests`` repeats of them in a seeded shuffled order, once per client and round,
+the clients alternating.  ``aiohttp`` is dasc-loadgen's own path (``loadgen.stream``);
+``httpx`` is the client it used before: one ``httpx.AsyncClient`` pool, ``aiter_lines``.
+A gap between client and server TTFT is time spent in the client, the network stack or the
+front end's accept queue; on a small machine a costly client takes CPU from the server too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import time
+
+import httpx
+
+from client.cli_help import DefaultsHelpFormatter
+from dasc_server.spawn import running_server
+from loadgen.runner import run_sequential, run_window
+from loadgen.stream import make_client, request_body
+from loadgen.workload import Request, random_ids
+
+TTFT_SUM = re.compile(r"^dasc_time_to_first_token_seconds_(sum|count)\S* ([0-9.e+-]+)$", re.M)
+
+
+def server_ttft(base_url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the server's TTFT histogram."""
+    got = {"sum": 0.0, "count": 0.0}
+    for kind, value in TTFT_SUM.findall(httpx.get(f"{base_url}/metrics", timeout=60).text):
+        got[kind] += float(value)
+    return got["sum"], got["count"]
+
+
+async def httpx_ttfts(base_url: str, requests: list[Request], concurrency: int) -> list[float]:
+    """The previous client: one httpx pool, SSE lines through ``aiter_lines``."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient, req: Request) -> float:
+        async with gate:
+            start, ttft = time.perf_counter(), None
+            async with client.stream("POST", "/v1/completions",
+                                     json=request_body(req, None)) as resp:
+                async for line in resp.aiter_lines():
+                    if ttft is None and line.startswith("data:") and '"text"' in line:
+                        ttft = time.perf_counter() - start
+            return ttft * 1e3
+
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as client:
+        return await asyncio.gather(*[one(client, r) for r in requests])
+
+
+async def aiohttp_ttfts(base_url: str, requests: list[Request], concurrency: int
+                        ) -> list[float]:
+    async with make_client(base_url, concurrency) as client:
+        win = await run_window(client, requests, concurrency)
+    failed = [r.error for r in win.results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")
+    return [r.ttft_ms for r in win.results]
+
+
+CLIENTS = {"aiohttp": aiohttp_ttfts, "httpx": httpx_ttfts}
+
+
+def measure(base_url: str, client: str, requests: list[Request], concurrency: int) -> dict:
+    s0, c0 = server_ttft(base_url)
+    cpu, wall = time.process_time(), time.perf_counter()
+    ttfts = asyncio.run(CLIENTS[client](base_url, requests, concurrency))
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    s1, c1 = server_ttft(base_url)
+    return {"client": client, "requests": len(requests), "wall_s": wall,
+            "client_cpu_ms_per_request": 1e3 * cpu / len(requests),
+            "requests_per_s": len(requests) / wall,
+            "client_mean_ttft_ms": statistics.fmean(ttfts),
+            "server_mean_ttft_ms": 1e3 * (s1 - s0) / max(c1 - c0, 1.0)}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| client | round | client CPU / request (ms) | requests/s | client mean TTFT (ms) "
+             "| server mean TTFT (ms) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['client']} | {r['round']} | {r['client_cpu_ms_per_request']:.2f} "
+                     f"| {r['requests_per_s']:.1f} | {r['client_mean_ttft_ms']:.1f} "
+                     f"| {r['server_mean_ttft_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadgen.bench.client_cost",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["aiohttp", "httpx"])
+    p.add_argument("--prompts", type=int, default=60, help="distinct prompts")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--requests", type=int, default=960, help="timed requests per client and round")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON file of the rows (default: none)")
+    p.add_argument("serve_flags", nargs="*", help="dasc-serve flags, after --")
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    with running_server(*args.serve_flags) as server:
+        vocab = httpx.get(f"{server.base_url}/server_info", timeout=60).json()["vocab_size"]
+        prompts = [random_ids(rng, args.prompt_len, (0, vocab)) for _ in range(args.prompts)]
+
+        async def warm() -> None:
+            async with make_client(server.base_url, 1) as client:
+                await run_sequential(client, [Request(q) for q in prompts])
+
+        asyncio.run(warm())
+        requests = [Request(prompts[i % len(prompts)]) for i in range(args.requests)]
+        rng.shuffle(requests)
+        rows = []
+        for round_ in range(args.rounds):
+            for client in args.clients:
+                row = {"round": round_, **measure(server.base_url, client, requests,
+                                                   args.concurrency)}
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                rows.append(row)
+    print(markdown(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(["python -m loadgen.bench.client_cost", *(argv or
+                       sys.argv[1:])]), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
