@@ -65,6 +65,16 @@ class ForwardBatch:
         self.last_token_index = torch.tensor(self.cu_seqlens[self.num_replays + 1 :],
                                              dtype=torch.long) - 1
 
+    def without_replays(self) -> ForwardBatch:
+        """The step with its replays' sequences and rows dropped, for the layers after the last
+        linear one: nothing there reads a replay (they write no KV and get no logits).  The
+        remaining sequences keep the paths they took with the replays (never decode)."""
+        r, t = self.num_replays, self.replay_tokens
+        return ForwardBatch(self.token_ids[t:], self.positions[t:], self.seq_lens[r:],
+                            self.prefix_lens[r:], [c - t for c in self.cu_seqlens[r:]],
+                            self.state_slots[r:], self.kv_write_index, self.kv_read_index[r:],
+                            is_decode=False)
+
     @property
     def num_replays(self) -> int:
         return len(self.refresh.seqs) if self.refresh is not None else 0

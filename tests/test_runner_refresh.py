@@ -116,3 +116,25 @@ def test_replays_inside_a_step_equal_the_replay_then_the_step(setup):
     _restore_nr(runner)
     nr = runner.forward([SeqInput(suffix, len(prompt), table, 2)])
     assert (nr - serial[:1]).abs().max() > 1e-3 * scale, "the refresh must change the suffix"
+
+
+def test_replays_leave_the_step_after_the_last_linear_mixer(setup):
+    """Past the last linear layer's mixer nothing reads a replay, so its MLP and every later
+    layer see only the step's own tokens; earlier MLPs see the replayed window too."""
+    runner, prompt, table = setup
+    window = runner.checkpoints.plan.refresh_window
+    table = table + [10, 11]
+    refresh = _hit_state(runner, prompt, table, len(prompt) - window)
+    layers = runner.model.model.layers
+    rows: dict[int, int] = {}
+    hooks = [layer.mlp.register_forward_pre_hook(
+        lambda module, args, i=i: rows.__setitem__(i, args[0].shape[0]))
+        for i, layer in enumerate(layers)]
+    try:
+        logits = runner.forward([SeqInput([7, 8, 9], len(prompt), table, 2)], refresh=refresh)
+    finally:
+        for h in hooks:
+            h.remove()
+    last = runner.cfg.linear_layer_ids[-1]
+    assert logits.shape[0] == 1
+    assert rows == {i: 3 + (window if i < last else 0) for i in range(len(layers))}

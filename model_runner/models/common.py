@@ -108,7 +108,12 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), ctx)
+        return self.feed_forward(self.mix(x, ctx), ctx)
+
+    def mix(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return x + getattr(self, self.mixer_name)(self.input_layernorm(x), ctx)
+
+    def feed_forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         return x + self.mlp(self.post_attention_layernorm(x), ctx.batch.is_static)
 
 
@@ -133,16 +138,22 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
     def forward(self, ctx: StepContext, all_logits: bool = False) -> torch.Tensor:
-        batch = ctx.batch
-        x = self.model.embed_tokens(batch.token_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        if all_logits:
-            x = x[batch.replay_tokens :]  # replays have no logits
-        elif not batch.is_decode:  # decode: every token is a last token
-            x = x[batch.last_token_index.to(x.device)]
-        if x.shape[0] == 0:  # replays alone
-            return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        """Logits of the step's sequences.  dasc-wr replays (``batch.Refresh``) leave the batch
+        after the last linear layer's mixer: past it nothing reads them, so they skip its MLP
+        and every later layer."""
+        x = self.model.embed_tokens(ctx.batch.token_ids)
+        last_linear = max(self.cfg.linear_layer_ids, default=-1)
+        for i, layer in enumerate(self.model.layers):
+            if i != last_linear or not ctx.batch.num_replays:
+                x = layer(x, ctx)
+                continue
+            x = layer.mix(x, ctx)
+            x, ctx.batch = x[ctx.batch.replay_tokens :], ctx.batch.without_replays()
+            if x.shape[0] == 0:  # replays alone (the same on every rank)
+                return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+            x = layer.feed_forward(x, ctx)
+        if not all_logits and not ctx.batch.is_decode:  # decode: every token is a last token
+            x = x[ctx.batch.last_token_index.to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 
     @classmethod
