@@ -8,6 +8,7 @@ import json
 
 from loadgen.bench.arms import Arm, SlotPlanner
 from loadgen.bench.cli import main as bench
+from loadgen.bench.client_cost import main as client_cost
 
 
 def test_tiny_matched_budget(tmp_path):
@@ -45,8 +46,6 @@ def test_tiny_matched_budget(tmp_path):
 def test_client_cost_runs_both_clients_against_a_real_server(tmp_path):
     """Each client's requests all reach the server (its TTFT histogram counts them) and come
     back with a TTFT no shorter than the server's own."""
-    from loadgen.bench.client_cost import main as client_cost
-
     out = tmp_path / "cc.json"
     assert client_cost(["--prompts", "4", "--prompt-len", "16", "--requests", "12",
                         "--concurrency", "4", "--rounds", "1", "--out", str(out)]) == 0

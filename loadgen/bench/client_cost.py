@@ -28,6 +28,7 @@ import httpx
 
 from client.cli_help import DefaultsHelpFormatter
 from dasc_server.spawn import running_server
+from loadgen.bench.report import markdown_table
 from loadgen.runner import run_sequential, run_window
 from loadgen.stream import make_client, request_body
 from loadgen.workload import Request, random_ids
@@ -89,13 +90,12 @@ def measure(base_url: str, client: str, requests: list[Request], concurrency: in
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| client | round | client CPU / request (ms) | requests/s | client mean TTFT (ms) "
-             "| server mean TTFT (ms) |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['client']} | {r['round']} | {r['client_cpu_ms_per_request']:.2f} "
-                     f"| {r['requests_per_s']:.1f} | {r['client_mean_ttft_ms']:.1f} "
-                     f"| {r['server_mean_ttft_ms']:.1f} |")
-    return "\n".join(lines)
+    header = ["client", "round", "client CPU / request (ms)", "requests/s",
+              "client mean TTFT (ms)", "server mean TTFT (ms)"]
+    return markdown_table(header, [
+        [r["client"], str(r["round"]), f"{r['client_cpu_ms_per_request']:.2f}",
+         f"{r['requests_per_s']:.1f}", f"{r['client_mean_ttft_ms']:.1f}",
+         f"{r['server_mean_ttft_ms']:.1f}"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,7 @@ class HybridForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layers: list[nn.Module]):
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        self.last_linear = max(cfg.linear_layer_ids, default=-1)  # where replays leave
         self.model = Backbone(cfg, tp, dtype, layers)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
@@ -142,9 +143,8 @@ class HybridForCausalLM(nn.Module):
         after the last linear layer's mixer: past it nothing reads them, so they skip its MLP
         and every later layer."""
         x = self.model.embed_tokens(ctx.batch.token_ids)
-        last_linear = max(self.cfg.linear_layer_ids, default=-1)
         for i, layer in enumerate(self.model.layers):
-            if i != last_linear or not ctx.batch.num_replays:
+            if i != self.last_linear or not ctx.batch.num_replays:
                 x = layer(x, ctx)
                 continue
             x = layer.mix(x, ctx)
