@@ -16,8 +16,8 @@ from client.cli_help import DefaultsHelpFormatter
 from model_runner.config import DEFAULT_MODEL
 from model_runner.rank_args import FP32_WEIGHTS
 from scheduler.admission import CKPT_ADMISSIONS, DEFAULT_CKPT_ADMISSION
+from scheduler.ckpt_eviction import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
 from scheduler.policy import POLICIES, SchedulePolicy
-from scheduler.radix_cache import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
 from scheduler.serve_config import (
     CheckpointSpec,
     LoadPolicy,
@@ -167,6 +167,11 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
     g.add_argument("--no-cache-finished", action="store_true",
                    help="do not cache prompt + output when a request finishes")
+    g.add_argument("--no-park-finished", action="store_true",
+                   help="free a finished request's active state slot at once; by default it "
+                        "stays in the prefix tree, exact, until an admission needs a slot, and "
+                        "the conversation's next turn adopts it: no checkpoint load and no "
+                        "dasc-wr refresh")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,7 +194,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             a.step_target_ms, a.checkpoint_interval, a.schedule_policy, a.schedule_max_passes,
             a.prefill_mix_ratio, a.decode_interleave, a.checkpoint_eviction,
             a.checkpoint_admission,
-            prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished),
+            prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished,
+            park_finished=not a.no_park_finished),
         checkpoints=CheckpointSpec(a.wmax, Selection(a.selection), a.mask_seed,
                                    Payload.INT8 if a.int8_checkpoints else Payload.FP32,
                                    Placement(a.placement), LoadPolicy(a.load_policy)))

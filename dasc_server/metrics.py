@@ -57,6 +57,8 @@ class _SchedulerCollector:
             "dasc_checkpoints_evicted": ("checkpoints evicted", c.checkpoints_evicted),
             "dasc_checkpoints_stored": ("checkpoints stored", c.checkpoints_stored),
             "dasc_refresh_tokens": ("tokens replayed by dasc-wr refreshes", c.refresh_tokens),
+            "dasc_parked_hits": ("hits that adopted a finished request's parked slot (exact, "
+                                 "no load)", c.parked_hits),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

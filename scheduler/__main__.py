@@ -119,6 +119,7 @@ def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
         checkpoint_interval=s.checkpoint_interval,
         prefix_cache=s.prefix_cache,
         cache_finished=s.cache_finished,
+        park_finished=s.park_finished,
         load_policy=cfg.checkpoints.load_policy,
         refresh_window=info.refresh_window,
         policy=SchedulePolicy(s.schedule_policy, s.schedule_max_passes, s.prefill_mix_ratio,

@@ -134,6 +134,7 @@ class Counters:
     cached_tokens: int = 0  # of those, restored from the prefix cache
     loads_nr: int = 0  # checkpoint hits with the omitted units zero-filled
     loads_wr: int = 0  # checkpoint hits with a dasc-wr refresh
+    parked_hits: int = 0  # hits that adopted a finished request's parked slot (exact, no load)
     refresh_tokens: int = 0  # tokens those refreshes replayed
     # every checkpoint the tree took, at a prefill boundary or when a request finished; minus
     # checkpoints_evicted it is always the number cached
@@ -185,6 +186,8 @@ class ServerInfo:
                 "max_total_tokens": sched.max_total_tokens,
                 "max_running_requests": sched.max_running_requests,
                 "prefix_cache": sched.prefix_cache,
+                "park_finished": sched.prefix_cache and sched.cache_finished
+                and sched.park_finished,
                 "chunked_prefill_size": self.chunked_prefill_size, "w_max": ckpt.w_max,
                 "load_policy": str(ckpt.load_policy), "checkpoint_format": ckpt.format,
                 "arm": ckpt.arm}

@@ -12,11 +12,16 @@ the tests):
 - ``lock_ref`` of a node = running requests whose locked node lies in its subtree (KV locks run
   to the root); ``ckpt_lock`` is on one node only and keeps its checkpoint from eviction.
 
+A node may also hold a *parked* active slot: a finished request's own state slot, exact for the
+node's tokens.  A hit there adopts it: no checkpoint load, no dasc-wr refresh.  A volatile tier
+over the checkpoints: the least recently parked or hit one goes back to ``slot_pool`` (the
+active slots) when an admission finds no free slot, and with its node's KV.
+
 Two LRU orders (PR #31643 of SGLang): ``kv_access`` is touched along a matched path and orders
 leaf eviction; ``ckpt_access`` is touched only on the node whose checkpoint a hit consumes and
 orders checkpoint eviction, which may take the checkpoint of any node (the node then stays as
 a KV-only "tombstone" while it has children or locks).  ``ckpt_eviction="reuse"`` orders
-checkpoint eviction by value instead (``_by_value``).
+checkpoint eviction by value instead (``ckpt_eviction.by_value``).
 """
 
 from __future__ import annotations
@@ -25,19 +30,19 @@ import heapq
 import itertools
 from typing import NamedTuple
 
+from scheduler.ckpt_eviction import CKPT_EVICTIONS, by_value
 from scheduler.pools import IndexPool
-
-CKPT_EVICTIONS = ("lru", "reuse")
-DEFAULT_CKPT_EVICTION = "reuse"  # the server's: docs/results/serving.md, "Checkpoint eviction"
+from scheduler.radix_integrity import check_tree
 
 
 class Node:
-    __slots__ = ("key", "value", "ckpt", "parent", "children", "depth", "lock_ref", "ckpt_lock",
-                 "kv_access", "ckpt_access")
+    __slots__ = ("key", "value", "ckpt", "parked", "parent", "children", "depth", "lock_ref",
+                 "ckpt_lock", "kv_access", "ckpt_access")
 
     def __init__(self, key: list[int], value: list[int], parent: Node | None, depth: int):
         self.key, self.value, self.parent, self.depth = key, value, parent, depth
         self.ckpt: int | None = None
+        self.parked: int | None = None  # active slot holding the exact state after this node
         self.children: dict[int, Node] = {}
         self.lock_ref = self.ckpt_lock = 0
         self.kv_access = self.ckpt_access = 0
@@ -47,7 +52,7 @@ class Node:
 
 
 class MatchResult(NamedTuple):
-    node: Node  # deepest matched node with a checkpoint (the root when there is none)
+    node: Node  # deepest matched node with a checkpoint or a parked slot (else the root)
     length: int  # tokens covered: [0, length)
     kv_rows: list[int]  # their KV rows (owned by the tree)
 
@@ -60,11 +65,15 @@ class InsertResult(NamedTuple):
 
 
 class RadixCache:
-    def __init__(self, kv_pool: IndexPool, ckpt_pool: IndexPool, ckpt_eviction: str = "lru"):
+    def __init__(self, kv_pool: IndexPool, ckpt_pool: IndexPool, ckpt_eviction: str = "lru",
+                 slot_pool: IndexPool | None = None):
+        """``slot_pool``: the active state slots, where dropped parked slots go back (None: the
+        cache parks nothing)."""
         if ckpt_eviction not in CKPT_EVICTIONS:
             raise ValueError(f"checkpoint eviction must be one of {', '.join(CKPT_EVICTIONS)}, "
                              f"got {ckpt_eviction!r}")
-        self.kv_pool, self.ckpt_pool = kv_pool, ckpt_pool
+        self.kv_pool, self.ckpt_pool, self.slot_pool = kv_pool, ckpt_pool, slot_pool
+        self._parked: dict[int, Node] = {}  # parked slot -> its node, oldest park or hit first
         self.ckpt_eviction = ckpt_eviction
         self.root = Node([], [], None, 0)
         self.root.lock_ref = 1  # never evicted
@@ -73,7 +82,7 @@ class RadixCache:
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, tokens: list[int], max_len: int) -> MatchResult:
-        """Deepest node with a checkpoint whose depth is at most ``max_len``."""
+        """Deepest node with a checkpoint or a parked slot whose depth is at most ``max_len``."""
         path, best = self._walk(tokens, max_len)
         now = next(self._clock)
         rows: list[int] = []
@@ -84,6 +93,8 @@ class RadixCache:
             return MatchResult(self.root, 0, [])
         hit = path[best - 1]
         hit.ckpt_access = now
+        if hit.parked is not None:  # most recently used parked slot: dropped last
+            self._parked[hit.parked] = self._parked.pop(hit.parked)
         return MatchResult(hit, hit.depth, rows)
 
     def match_len(self, tokens: list[int], max_len: int) -> int:
@@ -93,7 +104,7 @@ class RadixCache:
 
     def _walk(self, tokens: list[int], max_len: int) -> tuple[list[Node], int]:
         """The matched path of whole edges within ``max_len``, and how many of its nodes lead
-        to (and include) the deepest one with a checkpoint."""
+        to (and include) the deepest one with a checkpoint or a parked slot."""
         node, pos, path, best = self.root, 0, [], 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -103,7 +114,7 @@ class RadixCache:
                 break
             node, pos = child, pos + len(child.key)
             path.append(node)
-            if node.ckpt is not None:
+            if node.ckpt is not None or node.parked is not None:
                 best = len(path)
         return path, best
 
@@ -154,6 +165,41 @@ class RadixCache:
         if node.ckpt_lock <= 0:
             raise RuntimeError("unlock_ckpt without lock_ckpt")
         node.ckpt_lock -= 1
+
+    # ---- parked active slots ------------------------------------------------------------------
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def park(self, node: Node, slot: int) -> bool:
+        """Leave ``slot`` (holding the exact state after ``node``'s tokens) at ``node``.  False:
+        the node already has one, or the cache parks nothing; the caller frees ``slot``."""
+        if self.slot_pool is None or node.parked is not None or node is self.root:
+            return False
+        node.parked = slot
+        self._parked[slot] = node
+        return True
+
+    def unpark(self, node: Node) -> int:
+        """Take the node's parked slot for a request that hits there (it owns it from now)."""
+        slot = node.parked
+        if slot is None:
+            raise RuntimeError("unpark of a node without a parked slot")
+        node.parked = None
+        del self._parked[slot]
+        return slot
+
+    def drop_parked(self, num: int) -> int:
+        """Free up to ``num`` parked slots into the slot pool, least recently parked or hit
+        first; returns how many."""
+        dropped = list(itertools.islice(self._parked.values(), num))
+        for node in dropped:
+            self._drop_parked(node)
+            self._prune(node)
+        return len(dropped)
+
+    def _drop_parked(self, node: Node) -> None:
+        self.slot_pool.free([self.unpark(node)])
 
     # ---- insert -------------------------------------------------------------------------------
     def insert(self, tokens: list[int], kv_rows: list[int], ckpt: int | None) -> InsertResult:
@@ -232,7 +278,7 @@ class RadixCache:
         or least valuable first (reuse)."""
         nodes = [n for n in self._nodes() if n.ckpt is not None and n.ckpt_lock == 0]
         if self.ckpt_eviction == "reuse" and num < len(nodes):
-            nodes = _by_value(nodes)
+            nodes = by_value(nodes)
         else:
             nodes.sort(key=lambda n: n.ckpt_access)
         for node in nodes[:num]:
@@ -244,6 +290,7 @@ class RadixCache:
 
     def flush(self) -> None:
         """Drop everything no running request holds."""
+        self.drop_parked(len(self._parked))
         self.evict_ckpts(self.ckpt_pool.size)
 
     def _is_evictable_leaf(self, n: Node) -> bool:
@@ -256,13 +303,15 @@ class RadixCache:
         if leaf.ckpt is not None:
             self.ckpt_pool.free([leaf.ckpt])
             self.num_ckpt_evicted += 1
+        if leaf.parked is not None:
+            self._drop_parked(leaf)
         return len(leaf.value)
 
     def _prune(self, node: Node) -> int:
-        """Reclaim useless leaves (no checkpoint, no lock) from ``node`` upwards."""
+        """Reclaim useless leaves (no checkpoint, parked slot or lock) from ``node`` upwards."""
         freed = 0
         while (node.parent is not None and not node.children and node.ckpt is None
-               and node.lock_ref == 0):
+               and node.parked is None and node.lock_ref == 0):
             parent = node.parent
             freed += self._remove_leaf(node)
             node = parent
@@ -285,52 +334,11 @@ class RadixCache:
         return sum(n.ckpt is not None for n in self._nodes())
 
     def check_integrity(self, owned_rows: list[int], owned_ckpts: list[int],
-                        locked: list[Node], ckpt_locked: list[Node]) -> None:
-        """Raise AssertionError unless the tree and the pools agree with what requests hold:
-        every row / slot is free, cached in exactly one node, or owned by one request."""
-        expect_lock: dict[int, int] = {id(self.root): 1}
-        for node in locked:
-            while node is not None:
-                expect_lock[id(node)] = expect_lock.get(id(node), 0) + 1
-                node = node.parent
-        expect_ckpt_lock: dict[int, int] = {}
-        for node in ckpt_locked:
-            expect_ckpt_lock[id(node)] = expect_ckpt_lock.get(id(node), 0) + 1
-        rows, ckpts = list(owned_rows), list(owned_ckpts)
-        for n in self._nodes():
-            assert n.lock_ref == expect_lock.get(id(n), 0), "lock_ref mismatch"
-            assert n.ckpt_lock == expect_ckpt_lock.get(id(n), 0), "ckpt_lock mismatch"
-            rows.extend(n.value)
-            if n.ckpt is not None:
-                ckpts.append(n.ckpt)
-            for first, child in n.children.items():
-                assert child.parent is n and child.key and child.key[0] == first
-                assert len(child.key) == len(child.value)
-                assert child.depth == n.depth + len(child.key)
-            if n.parent is not None and not n.children:
-                assert n.ckpt is not None or n.lock_ref > 0, "useless leaf"
-        for name, held, pool in (("KV row", rows, self.kv_pool), ("slot", ckpts, self.ckpt_pool)):
-            assert len(held) == len(set(held)), f"a {name} is held twice"
-            assert not set(held) & pool.free_ids(), f"a {name} is both free and held"
-            assert len(held) + pool.num_free == pool.size, f"a {name} leaked"
-
-
-def _by_value(nodes: list[Node]) -> list[Node]:
-    """Least valuable first, after Marconi (recency plus compute saved per stored byte):
-    value = recency rank in [0, 1] + saved tokens / the most any candidate saves.  A hit here
-    saves the tokens between the nearest ancestor holding a checkpoint and this node (without
-    it a request falls back to that ancestor); every slot stores the same bytes, so per byte is
-    per slot.  A prompt-end checkpoint just past a shared one saves little and goes first."""
-    saved = {}
-    for n in nodes:
-        up = n.parent
-        while up is not None and up.ckpt is None:
-            up = up.parent
-        saved[id(n)] = n.depth - (up.depth if up is not None else 0)
-    most = max(saved.values())
-    by_age = sorted(nodes, key=lambda n: n.ckpt_access)
-    rank = {id(n): i / max(1, len(nodes) - 1) for i, n in enumerate(by_age)}
-    return sorted(nodes, key=lambda n: (rank[id(n)] + saved[id(n)] / most, n.ckpt_access))
+                        locked: list[Node], ckpt_locked: list[Node],
+                        owned_slots: list[int] | None = None) -> None:
+        """``radix_integrity.check_tree``: raise AssertionError where the tree, its locks and
+        the pools disagree with what the requests hold."""
+        check_tree(self, owned_rows, owned_ckpts, locked, ckpt_locked, owned_slots)
 
 
 def _common_prefix(key: list[int], tokens: list[int], pos: int) -> int:

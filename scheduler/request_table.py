@@ -3,7 +3,9 @@ rows and checkpoints (through the radix cache), active state slots, and what the
 carry about them (new row tables, dropped tables, stores of finished requests' states).
 
 On finish the state after every processed token (prompt + output[:-1]) is cached too, so the
-next turn of a conversation hits.
+next turn of a conversation hits: as a checkpoint in the plan's format, and (``park_finished``)
+by leaving the request's own active slot in the tree, exact, until an admission needs the slot
+(``RadixCache.park``).  The next turn then adopts the slot: no load and no dasc-wr refresh.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from scheduler.scheduler_config import SchedulerConfig
 class RequestTable:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
-                                IndexPool(cfg.num_checkpoint_slots), cfg.ckpt_eviction)
         self.slots = IndexPool(cfg.max_running_requests, first=1)
+        self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
+                                IndexPool(cfg.num_checkpoint_slots), cfg.ckpt_eviction,
+                                slot_pool=self.slots if cfg.park_finished else None)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stores_before: list[tuple[int, int]] = []  # (active slot, checkpoint) to store
@@ -70,14 +73,15 @@ class RequestTable:
         self.new_tables = {}
         return released, tables
 
-    def cache_prefix(self, r: Req, end: int, ckpt: int) -> bool:
-        """Hand [0, end) of the request to the tree with a checkpoint at ``end``; the request
-        keeps a lock on the new node and adopts the tree's rows.  False: the tree already had
-        a checkpoint there and ``ckpt`` went back to the pool."""
+    def cache_prefix(self, r: Req, end: int, ckpt: int | None) -> bool:
+        """Hand [0, end) of the request to the tree with a checkpoint at ``end`` (None: KV
+        only); the request keeps a lock on the new node and adopts the tree's rows.  False: no
+        checkpoint was taken (the tree already had one there; ``ckpt`` went back to the
+        pool)."""
         res = self.cache.insert(r.token_slice(0, end), r.rows[:end], ckpt)
         if res.ckpt_taken:
             self.counters.checkpoints_stored += 1
-        else:
+        elif ckpt is not None:
             self.cache.ckpt_pool.free([ckpt])
         if res.num_existing > r.cached_len:  # someone cached these tokens first: drop ours
             self.cache.kv_pool.free(r.rows[r.cached_len : res.num_existing])
@@ -93,15 +97,22 @@ class RequestTable:
         self.running.remove(r)
         cache = self.cache
         end = r.computed
-        if (reason != "abort" and self.cfg.prefix_cache and self.cfg.cache_finished
-                and end > r.cached_len and cache.ckpt_at(r.token_slice(0, end)) is None):
+        caches = reason != "abort" and self.cfg.prefix_cache and self.cfg.cache_finished
+        if caches and end > r.cached_len and cache.ckpt_at(r.token_slice(0, end)) is None:
             ckpt = cache.alloc_ckpt()
             if ckpt is not None and self.cache_prefix(r, end, ckpt):
                 # written at the start of the next step, before any load can read it
                 self.stores_before.append((r.slot, ckpt))
+        if caches and self.cfg.park_finished and end > 0:
+            if r.node.depth != end:  # the tree holds a checkpoint at end already: KV only
+                self.cache_prefix(r, end, None)
+            parked = cache.park(r.node, r.slot)
+        else:
+            parked = False
         cache.kv_pool.free(r.own_rows)
         cache.unlock(r.node)
-        self.slots.free([r.slot])
+        if not parked:
+            self.slots.free([r.slot])
         r.node, r.rows = None, []
         self.new_tables.pop(r.rid, None)
         self.released.append(r.rid)
@@ -111,7 +122,8 @@ class RequestTable:
         """Every row and slot is free, cached in one node, or owned by one running request."""
         rows = [x for r in self.running for x in r.own_rows]
         ckpts = [r.pending_store[1] for r in self.running if r.pending_store is not None]
-        self.cache.check_integrity(rows, ckpts, [r.node for r in self.running], [])
         held = [r.slot for r in self.running]
+        self.cache.check_integrity(rows, ckpts, [r.node for r in self.running], [], held)
         assert len(held) == len(set(held)) and not set(held) & self.slots.free_ids()
-        assert len(held) + self.slots.num_free == self.slots.size, "active slot leaked"
+        assert len(held) + self.cache.num_parked + self.slots.num_free == self.slots.size, \
+            "active slot leaked"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.admission import DEFAULT_CKPT_ADMISSION
+from scheduler.ckpt_eviction import DEFAULT_CKPT_EVICTION
 from scheduler.policy import SchedulePolicy
-from scheduler.radix_cache import DEFAULT_CKPT_EVICTION
 from scheduler.serve_config import LoadPolicy
 
 
@@ -37,6 +37,7 @@ class SchedulerConfig:
     checkpoint_interval: int = 256  # 0: prompt end only
     prefix_cache: bool = True
     cache_finished: bool = True
+    park_finished: bool = True  # a finished request's slot stays in the tree until needed
     load_policy: LoadPolicy = LoadPolicy.NR
     refresh_window: int = 0
     policy: SchedulePolicy = SchedulePolicy()  # which prefill a step takes first

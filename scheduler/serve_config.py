@@ -106,6 +106,7 @@ class SchedulingConfig:
     checkpoint_admission: str  # scheduler.admission.CKPT_ADMISSIONS
     prefix_cache: bool
     cache_finished: bool
+    park_finished: bool = True
 
 
 @dataclass(frozen=True, slots=True)

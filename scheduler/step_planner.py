@@ -97,7 +97,7 @@ class StepPlanner:
                     continue
                 table.waiting.remove(r)
                 table.running.append(r)
-                if r.hit_len:
+                if r.hit_len and not r.adopted:
                     ckpt_locked.append(r.node)
             taken = self._add_chunk(plan, r, budget)
             budget -= taken
@@ -118,24 +118,33 @@ class StepPlanner:
         return len(r.prompt) - self.table.cache.match_len(r.prompt, len(r.prompt) - 1)
 
     def _admit(self, r: Req, plan: BatchPlan) -> bool:
-        """Match the prompt, lock the hit, reserve KV rows and an active slot."""
+        """Match the prompt, lock the hit, reserve KV rows and an active slot: the hit's
+        parked slot if it has one (adopted as it is), else a free one (dropping the least
+        recently used parked slot when none is free)."""
         table = self.table
-        if table.slots.num_free == 0:
-            return False
         cache = table.cache
+        if table.slots.num_free == 0 and cache.num_parked == 0:
+            return False
         hit = cache.match(r.prompt, len(r.prompt) - 1) if self._can_hit(r) else cache.match([], 0)
+        adopt = hit.node.parked is not None
+        if not adopt and table.slots.num_free == 0 and not cache.drop_parked(1):
+            return False
         cache.lock(hit.node)
         rows = cache.alloc_rows(r.max_processed - hit.length)
         if rows is None:
             cache.unlock(hit.node)
             return False
-        r.slot = table.slots.alloc(1)[0]
+        r.slot = cache.unpark(hit.node) if adopt else table.slots.alloc(1)[0]
+        r.adopted = adopt
         r.node, r.rows, r.cached_len = hit.node, hit.kv_rows + rows, hit.length
         table.new_tables[r.rid] = r
         r.computed = r.hit_len = hit.length
-        table.counters.prompt_tokens += len(r.prompt)
-        table.counters.cached_tokens += hit.length
-        if hit.length:
+        counters = table.counters
+        counters.prompt_tokens += len(r.prompt)
+        counters.cached_tokens += hit.length
+        if adopt:
+            counters.parked_hits += 1
+        elif hit.length:
             cache.lock_ckpt(hit.node)
             plan.loads.append((hit.node.ckpt, r.slot))
             self._plan_refresh(plan, r)

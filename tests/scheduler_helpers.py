@@ -99,9 +99,10 @@ def assert_drained(s: Scheduler) -> None:
     assert not s.running and not s.waiting and not s.has_work
     assert cache.kv_pool.num_free + cache.num_cached_rows == cache.kv_pool.size
     assert cache.ckpt_pool.num_free + cache.num_cached_ckpts == cache.ckpt_pool.size
-    assert s.slots.num_free == s.cfg.max_running_requests
+    assert s.slots.num_free + cache.num_parked == s.cfg.max_running_requests
     s.flush()
     s.check_integrity()
+    assert s.slots.num_free == s.cfg.max_running_requests and not cache.num_parked
     assert not cache.root.children
     assert cache.kv_pool.num_free == cache.kv_pool.size
     assert cache.ckpt_pool.num_free == cache.ckpt_pool.size

@@ -38,8 +38,12 @@ def test_prompt_shorter_than_the_interval_hits_on_repeat():
     assert loop.final("b").cached_tokens == len(prompt) - 1
 
 
-def test_second_turn_hits_at_the_processed_length_of_the_first():
-    s = make(checkpoint_interval=8)
+@pytest.mark.parametrize("park", [True, False], ids=["parked", "checkpoint"])
+def test_second_turn_hits_at_the_processed_length_of_the_first(park):
+    """With ``park_finished`` the second turn adopts the first turn's own slot (no load, no
+    refresh); without, it loads the checkpoint stored when the first turn finished."""
+    s = make(checkpoint_interval=8, park_finished=park, load_policy=LoadPolicy.WR,
+             refresh_window=6)
     loop = Loop(s, random_tokens(3))
     prompt = prompt_of(19)
     run_one(loop, "t1", prompt, 5)
@@ -49,7 +53,40 @@ def test_second_turn_hits_at_the_processed_length_of_the_first():
     plan = run_one(loop, "t2", turn2, 4)
     processed = len(prompt) + len(out1) - 1  # the last sampled token was never fed
     assert loop.final("t2").cached_tokens == processed
-    assert len(plan.loads) == 1 and plan.seqs[0].prefix_len == processed
+    assert len(plan.loads) == len(plan.refresh) == (0 if park else 1)
+    assert plan.seqs[0].prefix_len == processed
+    assert s.stats.parked_hits == (1 if park else 0)
+    assert_drained(s)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_parked_slot_serves_the_next_turn_until_an_admission_needs_it(slots):
+    """One active slot: the unrelated request in between takes the parked slot (its state is
+    zeroed by its own prefill), so the next turn falls back to the checkpoint.  Two: the
+    parked slot survives and the next turn adopts it."""
+    s = make(checkpoint_interval=8, max_running_requests=slots)
+    loop = Loop(s, random_tokens(4))
+    prompt = prompt_of(19)
+    run_one(loop, "t1", prompt, 5)
+    assert s.cache.num_parked == 1 and s.slots.num_free == slots - 1
+    run_one(loop, "other", prompt_of(11, seed=5), 3)  # parks its own slot when it ends
+    turn2 = prompt + loop.output("t1") + prompt_of(7, seed=9)
+    plan = run_one(loop, "t2", turn2, 4)
+    assert loop.final("t2").cached_tokens == len(prompt) + 5 - 1
+    assert s.stats.parked_hits == slots - 1 and len(plan.loads) == 2 - slots
+    assert s.cache.num_parked == min(slots, 2)  # the latest finished ones
+    assert_drained(s)
+
+
+def test_a_parked_slot_goes_back_when_its_kv_is_evicted():
+    """KV pressure evicts the parked leaf: its slot returns to the free pool, nothing leaks."""
+    s = make(checkpoint_interval=0, max_total_tokens=40, max_running_requests=2)
+    loop = Loop(s, random_tokens(5))
+    run_one(loop, "a", prompt_of(20), 4)
+    assert s.cache.num_parked == 1
+    run_one(loop, "b", prompt_of(30, seed=6), 4)  # needs rows the parked leaf holds
+    assert s.cache.kv_pool.num_free + s.cache.num_cached_rows == s.cache.kv_pool.size
+    assert s.cache.num_parked == 1 and s.slots.num_free == 1  # b's slot parked, a's freed
     assert_drained(s)
 
 

@@ -43,6 +43,10 @@ CONFIGS = [
     # checkpoint admission by likely reuse (scheduler/admission.py)
     dict(max_total_tokens=400, max_running_requests=4, num_checkpoint_slots=6,
          chunked_prefill_size=32, checkpoint_interval=8, ckpt_admission="reuse"),
+    # finished requests' slots are not parked: every hit loads a checkpoint
+    dict(max_total_tokens=330, max_running_requests=4, num_checkpoint_slots=24,
+         chunked_prefill_size=32, checkpoint_interval=16, park_finished=False,
+         load_policy=LoadPolicy.WR, refresh_window=6),
 ]
 
 
@@ -66,8 +70,9 @@ def test_random_workload(cfg, seed):
                 if done and kind < 0.15:  # exact repeat
                     prompt = list(rng.choice(list(done.values())).prompt)
                 else:
-                    if done and kind < 0.4:  # next turn of a conversation
-                        r = rng.choice(list(done.values()))
+                    if done and kind < 0.4:  # next turn of a conversation, often a recent one
+                        r = rng.choice(list(done.values())[-3:] if kind < 0.3 else
+                                       list(done.values()))
                         prompt = r.prompt + r.output
                     else:  # shared prefix, cut anywhere
                         base = rng.choice(bases)
@@ -120,6 +125,11 @@ def test_random_workload(cfg, seed):
         assert stats.num_loads > 0 or s.cfg.num_checkpoint_slots == 1  # 1 slot: LRU churns
         if s.cfg.load_policy is LoadPolicy.WR:
             assert stats.num_refresh == stats.num_loads
+        # a hit adopts a parked slot (the fake ranks check it holds the hit's prefix) or loads
+        if not (s.cfg.cache_finished and s.cfg.park_finished):
+            assert s.stats.parked_hits == 0
+        hits = sum(r.hit_len > 0 for r in [*done.values(), *loop.aborted.values()])
+        assert s.stats.parked_hits + stats.num_loads == hits
     else:
         assert stats.num_loads == stats.num_stores == 0 and s.stats.cached_tokens == 0
     assert_drained(s)

@@ -123,8 +123,9 @@ def test_server_info_names_the_arm_and_keeps_its_json_keys(flags, arm):
         "model", "model_type", "tp_size", "vocab_size", "eos_token_id", "max_total_tokens",
         "max_context_len", "max_running_requests", "num_checkpoint_slots",
         "checkpoint_bytes_per_slot", "dense_bytes_per_slot", "w_max", "load_policy",
-        "refresh_window", "prefix_cache", "checkpoint_format", "chunked_prefill_size", "arm",
-        "prefill_tokens_per_s"}
+        "refresh_window", "prefix_cache", "park_finished", "checkpoint_format",
+        "chunked_prefill_size", "arm", "prefill_tokens_per_s"}
+    assert body["park_finished"] is True
     ckpt = info.config.checkpoints
     assert body["checkpoint_format"] == f"{ckpt.selection.value} {ckpt.payload.value} off"
     assert json.loads(json.dumps(body)) == body  # plain JSON values
@@ -264,3 +265,12 @@ def test_target_slots_choose_w_max_before_anything_starts(capsys):
                            "do not fit")):
         with pytest.raises((ValueError, PlanError), match=message):
             validate(parse_args(argv))
+
+
+@pytest.mark.parametrize("flags,parks", [([], True), (["--no-park-finished"], False),
+                                         (["--no-cache-finished"], False),
+                                         (["--no-prefix-cache"], False)])
+def test_server_info_says_whether_finished_slots_are_parked(flags, parks):
+    """``dasc-eval --base-url`` reads it: a parked hit restores no checkpoint."""
+    assert ServerInfo(serve_config(parse_args(flags)), RANK, 2048).as_json()["park_finished"] \
+        is parks

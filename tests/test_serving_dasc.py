@@ -3,7 +3,9 @@ as the offline ``dasc-eval`` arm on the same prompt and W_max, so greedy tokens 
 
 Server protocol: send the context alone (max_tokens 1); when it finishes, the state after the
 whole context is checkpointed (finished-request caching).  Then context + question hits at
-exactly len(context), and the question runs on the compressed-then-restored state.
+exactly len(context), and the question runs on the compressed-then-restored state.  These
+servers run with ``--no-park-finished``: by default the question would adopt the warm
+request's own slot, exact, and restore nothing (the last test here proves that).
 Greedy tokens alone cannot tell the arms apart on these models (the needle is read from the
 full-attention KV), so the log-probabilities of the generated tokens are compared too: they
 match the offline arm to float precision and differ from the dense arm's.
@@ -37,7 +39,7 @@ def test_hit_equals_the_offline_eval_arm(arm, model, flags, other):
     w_max = arm.partition("@")[2]
     insts = make_instances("s1", 512, 2, seed=5) + make_instances("mk1", 512, 1, seed=5)
     with running_server("--model", str(model), "--wmax", w_max, "--checkpoint-interval",
-                        "0", *flags) as server:
+                        "0", "--no-park-finished", *flags) as server:
         for inst in insts:
             context, question = list(inst.context.encode()), list(inst.question.encode())
             server.complete(context, max_tokens=1)
@@ -67,7 +69,7 @@ def test_dasc_eval_through_the_server_equals_the_offline_arm():
 
     insts = make_instances("s1", 512, 2, seed=9) + make_instances("fwe", 512, 1, seed=9)
     with running_server("--model", str(KIMI), "--wmax", "128", "--checkpoint-interval",
-                        "0") as server:
+                        "0", "--no-park-finished") as server:
         with DascClient(server.base_url) as client:
             for inst in insts:
                 _, hit, text = answer(client, lambda t: list(t.encode()), inst)
@@ -82,3 +84,39 @@ def test_dasc_eval_through_the_server_equals_the_offline_arm():
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout.splitlines()[0])
     assert (row["arm"], row["task"], row["n"], row["loaded"]) == ("nr@128", "s1", 3, 1.0)
+
+
+@pytest.mark.parametrize("flags", [[], ["--tp", "2", "--placement", "hybrid"]],
+                         ids=["tp1", "tp2-hybrid"])
+def test_a_parked_hit_is_exact_under_a_compressed_format(flags):
+    """Parked slots (the default): the question adopts the warm request's own slot, so under
+    dasc-nr at W_max 128 it runs on the exact state and matches the dense arm, not nr's.
+    ``dasc-eval --base-url`` refuses such a server, since it would not measure the arm."""
+    import subprocess
+    import sys
+
+    insts = make_instances("s1", 512, 2, seed=7)
+    with running_server("--model", str(KIMI), "--wmax", "128", "--checkpoint-interval", "0",
+                        *flags) as server:
+        before = server.stats()["counters"]
+        for inst in insts:
+            context, question = list(inst.context.encode()), list(inst.question.encode())
+            server.complete(context, max_tokens=1)
+            body = server.complete(context + question, max_tokens=NUM_TOKENS, ignore_eos=True,
+                                   logprobs=0)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(context)
+            served = torch.tensor(body["choices"][0]["logprobs"]["token_logprobs"])
+            tokens, dense = offline_arm(KIMI, "dense", context, question)
+            _, nr = offline_arm(KIMI, "nr@128", context, question)
+            assert body["choices"][0]["token_ids"] == tokens
+            to_dense = (served - torch.tensor(dense)).abs().max()
+            to_nr = (served - torch.tensor(nr)).abs().max()
+            assert to_dense < 1e-5 and 10 * to_dense < to_nr, (to_dense, to_nr)
+        after = server.stats()["counters"]
+        assert after["parked_hits"] - before["parked_hits"] == len(insts)
+        assert after["loads_nr"] == before["loads_nr"]
+        if not flags:
+            cmd = [sys.executable, "-m", "loadgen.quality.cli", "--base-url", server.base_url,
+                   "--model", str(KIMI), "--tasks", "s1", "--quick", "--json"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert out.returncode != 0 and "--no-park-finished" in out.stderr, out.stderr

@@ -44,6 +44,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="a checkpoint every N prompt tokens (0: at the prompt end only)")
     g.add_argument("--no-cache-finished", action="store_true",
                    help="do not cache prompt + output when a request finishes")
+    g.add_argument("--park-finished", action="store_true",
+                   help="let a finished request's slot stay parked for its next turn "
+                        "(dasc-serve's default); off here, so that every hit restores a "
+                        "checkpoint of the arm's format, which is what these experiments measure")
     g.add_argument("--max-running-requests", type=int, default=32,
                    help="requests a server runs at once")
     g.add_argument("--chunked-prefill-size", type=int, default=8192,

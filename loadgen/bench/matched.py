@@ -49,6 +49,7 @@ def server_flags(args: argparse.Namespace, arm: Arm, size_flags: list[str], max_
     for flag in ("--schedule-policy", "--schedule-max-passes"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         flags += [] if value is None else [flag, str(value)]
+    flags += [] if args.park_finished else ["--no-park-finished"]
     return flags + (["--no-cache-finished"] if args.no_cache_finished else [])
 
 

@@ -47,6 +47,11 @@ def run_served(args: argparse.Namespace) -> tuple[list[Result], dict[tuple[str, 
     info = httpx.get(f"{args.base_url}/server_info", timeout=30,
                      headers=_auth(args.api_key)).raise_for_status().json()
     arm, model = Arm(info["arm"]), Path(info["model"]).name
+    if info.get("park_finished") and arm.name != "dense":
+        raise SystemExit(f"dasc-eval: {args.base_url} parks finished requests' slots, so a "
+                         f"question after its warm context adopts the exact state instead of "
+                         f"restoring the {arm.name} checkpoint; restart it with "
+                         f"--no-park-finished to measure the arm")
     results, loaded = [], {}
     with DascClient(args.base_url, api_key=args.api_key) as client, \
             ThreadPoolExecutor(args.concurrency) as pool:
