@@ -83,19 +83,26 @@ async def _one(base_url: str, requests, args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     header = ["W_max", "hit nr", "hit wr", "TTFT nr (ms)", "TTFT wr (ms)", "ΔTTFT (ms)",
-              "replay tok/hit", "cost/hit (ms)", "paper ΔTTFT / cost/hit (ms)"]
+              "replay tok/hit", "cost/hit (ms)", "parked share of wr hits",
+              "paper ΔTTFT / cost/hit (ms)"]
     rows = []
     for r in result["rows"]:
         paper = PAPER_TABLE8.get(int(r["w_max"]))
         tok = r["replay_tokens_per_hit"]
         nr, wr = r["nr"], r["wr"]
+        hits = sum(m["num_hits"] for m in wr.values())
+        parked = sum(m["server"].get("parked_hits", 0) for m in wr.values())
         rows.append([f"{r['w_max']:g}", pm(per_seed(nr, "cache_hit_rate"), 4),
                      pm(per_seed(wr, "cache_hit_rate"), 4), pm(per_seed(nr, "mean_ttft_ms")),
                      pm(per_seed(wr, "mean_ttft_ms")), pm(r["delta_ttft_ms"]),
                      "n/a" if tok is None else f"{tok:.1f}", pm(r["cost_per_hit_ms"]),
+                     f"{parked / hits:.3f}" if hits else "n/a",
                      "—" if paper is None else f"{paper[0]} / {paper[1]}"])
     cfg = result["config"]
-    return (f"{cfg['checkpoint_slots']} checkpoint slots in every arm; {cfg['num_conversations']}"
+    parking = ("finished slots parked (a parked hit restores no checkpoint)"
+               if cfg.get("park_finished") == "True" else "--no-park-finished")
+    return (f"{parking}; {cfg['checkpoint_slots']} checkpoint slots in every arm; "
+            f"{cfg['num_conversations']}"
             f" conversations × {cfg['num_turns']} turns (context {cfg['context_len']}, "
             f"+{cfg['turn_len']} tokens per turn); placement {cfg['placement']}; mean ± SD over "
             f"paired seeds {cfg['seeds']}.\n\n" + markdown_table(header, rows) + "\n")

@@ -10,7 +10,8 @@ from loadgen.stream import RequestResult
 from loadgen.summary import summarize
 
 TELEMETRY_KEYS = ("prompt_tokens", "cached_tokens", "loads_nr", "loads_wr", "refresh_tokens",
-                  "checkpoints_evicted", "kv_evicted_rows", "num_steps", "step_s", "compute_s")
+                  "parked_hits", "checkpoints_evicted", "kv_evicted_rows", "num_steps", "step_s",
+                  "compute_s")
 
 
 def run_metrics(results: list[RequestResult], duration: float, deltas: list[dict | None]
