@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-per-group", type=int, default=8, help="prompts / turns of each")
     g.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared prefix")
     g.add_argument("--suffix-len", type=int, default=32, help="tokens after the prefix")
+    g.add_argument("--with-replies", action="store_true",
+                   help="multi-turn: each turn resends the previous turn's reply (its token ids, "
+                        "asked for with return_token_ids) before its new tokens, as a chat "
+                        "client does (default: only the previous prompt)")
     g = p.add_argument_group("phases (paper appendix C.2)")
     g.add_argument("--num-prompts", type=int, default=256, help="dataset size D")
     g.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
@@ -123,7 +127,7 @@ async def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
             else:
                 requests = multi_turn(args.num_groups, args.prompts_per_group, args.prefix_len,
                                       args.suffix_len, tr, args.seed, args.max_tokens,
-                                      args.dataset_seed)
+                                      args.dataset_seed, args.with_replies)
         warm = [r for r in requests if r.is_warmup]
         timed = [r for r in requests if not r.is_warmup]
         lines = [{**r.as_json(), "warmup": True}
@@ -169,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.concurrency < 1:
         print("dasc-loadgen: error: --concurrency must be at least 1", file=sys.stderr)
+        return 2
+    if args.with_replies and args.workload != "multi-turn":
+        print("dasc-loadgen: error: --with-replies needs --workload multi-turn", file=sys.stderr)
         return 2
     try:
         lines, summary = asyncio.run(run(args))

@@ -13,7 +13,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from tqdm import tqdm
@@ -50,6 +50,8 @@ async def run_window(client: aiohttp.ClientSession, requests: list[Request], con
     offsets = arrival_offsets(n, request_rate, seed)
     start = time.perf_counter()
 
+    sent = [r.prompt for r in requests]  # what each request sent (chat turns: grown at send)
+
     async def one(i: int) -> None:
         req = requests[i]
         delay = start + offsets[i] - time.perf_counter()
@@ -57,6 +59,14 @@ async def run_window(client: aiohttp.ClientSession, requests: list[Request], con
             await asyncio.sleep(delay)
         if req.depends_on is not None:
             await finished[req.depends_on].wait()
+        if req.extends_reply:
+            before = results[req.depends_on]
+            if not before.ok:
+                results[i] = RequestResult(error="its previous turn failed", tags=dict(req.tags))
+                finished[i].set()
+                return
+            sent[i] = sent[req.depends_on] + before.output_ids + req.prompt
+            req = replace(req, prompt=sent[i], extends_reply=False)
         async with limit:
             results[i] = await send_streaming(client, req, model, start)
         finished[i].set()

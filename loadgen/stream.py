@@ -38,6 +38,7 @@ class RequestResult:
     error: str | None = None
     start_s: float = 0.0  # send time relative to the window's start
     tags: dict = field(default_factory=dict)
+    output_ids: list[int] = field(default_factory=list)  # the reply, when asked for its ids
 
     @property
     def ok(self) -> bool:
@@ -91,6 +92,8 @@ def request_body(req: Request, model: str | None, ignore_eos: bool = True) -> di
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     if model:
         body["model"] = model
+    if req.returns_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -132,7 +135,11 @@ async def send_streaming(client: aiohttp.ClientSession, req: Request, model: str
                 if frame.get("error"):
                     res.error = f"stream error: {_error_message(json.dumps(frame))}"
                     return res
-                if any(_has_content(c) for c in frame.get("choices") or []):
+                choices = frame.get("choices") or []
+                if req.returns_ids:
+                    for c in choices:
+                        res.output_ids += c.get("token_ids") or []
+                if any(_has_content(c) for c in choices):
                     if num_content == 0:
                         res.ttft_ms = (now - start) * 1e3
                     else:

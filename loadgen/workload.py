@@ -28,6 +28,10 @@ class Request:
     is_warmup: bool = False  # sent first, in order, never timed nor summarised
     depends_on: int | None = None  # index (same list) of a request that must finish first
     tags: dict = field(default_factory=dict)  # group / turn / phase ..., copied to the result
+    # chat turns: ``prompt`` holds only the new tokens; the request sent is the previous turn's
+    # prompt + its reply (token ids the server returned) + these, as a chat client resends them
+    extends_reply: bool = False
+    returns_ids: bool = False  # ask for the reply's token ids (a later turn extends it)
 
 
 def random_ids(rng: random.Random, n: int, token_range: tuple[int, int]) -> list[int]:
@@ -52,17 +56,22 @@ def shared_prefix(num_groups: int, prompts_per_group: int, prefix_len: int, suff
 
 def multi_turn(num_conversations: int, num_turns: int, context_len: int, turn_len: int,
                token_range: tuple[int, int], seed: int, max_tokens: int = 1,
-               dataset_seed: int = 0) -> list[Request]:
-    """The prompts depend on ``dataset_seed`` only; ``seed`` orders the conversations."""
+               dataset_seed: int = 0, with_replies: bool = False) -> list[Request]:
+    """The prompts depend on ``dataset_seed`` only; ``seed`` orders the conversations.  Turn k
+    extends turn k-1's prompt; ``with_replies``: its prompt and reply, as chat clients send."""
     rng = random.Random(dataset_seed)
     conversations = []
     for c in range(num_conversations):
         prompt = random_ids(rng, context_len, token_range)
         turns = []
         for t in range(num_turns):
-            prompt = prompt + random_ids(rng, turn_len, token_range)
-            turns.append(Request(prompt, max_tokens,
-                                 tags={"conversation": c, "turn": t, "cold": t == 0}))
+            new = random_ids(rng, turn_len, token_range)
+            prompt = prompt + new
+            follows = with_replies and t > 0
+            turns.append(Request(new if follows else prompt, max_tokens,
+                                 tags={"conversation": c, "turn": t, "cold": t == 0},
+                                 extends_reply=follows,
+                                 returns_ids=with_replies and t < num_turns - 1))
         conversations.append(turns)
     random.Random(seed).shuffle(conversations)
     out: list[Request] = []

@@ -110,3 +110,27 @@ def test_phases_replay_counts_match_server_stats(server, tmp_path, capsys):
         assert t["delta"]["prompt_tokens"] == sum(r["prompt_tokens"] for r in mine)
         assert t["delta"]["cached_tokens"] == sum(r["cached_tokens"] for r in mine)
     assert s["duration"] == pytest.approx(sum(t["duration"] for t in replays))
+
+
+def test_multi_turn_with_replies_resends_the_reply_and_adopts_the_parked_slot(server, tmp_path,
+                                                                               capsys):
+    """``--with-replies``: turn k sends turn k-1's prompt and reply before its new tokens, so
+    it hits at everything turn k-1 processed (prompt + reply[:-1]): there the finished turn's
+    parked slot is adopted (``parked_hits``), with no checkpoint load."""
+    before = server.stats()["counters"]
+    lines, s, _ = run_loadgen(
+        server, tmp_path, capsys, "--workload", "multi-turn", "--with-replies",
+        "--num-groups", "3", "--prompts-per-group", "3", "--prefix-len", "40",
+        "--suffix-len", "6", "--max-tokens", "5", "--concurrency", "3", "--seed", "1")
+    after = server.stats()["counters"]
+    assert (s["completed"], s["failed"]) == (9, 0)
+    by_turn = {(x["conversation"], x["turn"]): x for x in lines}
+    for (c, t), x in by_turn.items():
+        assert x["output_tokens"] == 5
+        # context 40, +6 a turn, +5 reply tokens resent each later turn
+        assert x["prompt_tokens"] == 40 + 6 * (t + 1) + 5 * t
+        if t:
+            prev = by_turn[(c, t - 1)]
+            assert x["cached_tokens"] == prev["prompt_tokens"] + 5 - 1
+    assert after["parked_hits"] - before["parked_hits"] == 6
+    assert after["loads_nr"] == before["loads_nr"]

@@ -155,3 +155,17 @@ def test_phase_plan_matches_the_paper():
     order = replay_order(20, 42, "dense", 3, 1)
     assert sorted(order) == list(range(20)) and order == replay_order(20, 42, "dense", 3, 1)
     assert order != replay_order(20, 123, "dense", 3, 1)
+
+
+def test_chat_turns_carry_only_their_new_tokens_and_only_later_turns_extend(capsys):
+    from loadgen.cli import main
+
+    plain = multi_turn(2, 3, 8, 4, (0, 50), seed=5)
+    chat = multi_turn(2, 3, 8, 4, (0, 50), seed=5, with_replies=True)
+    for p, c in zip(plain, chat):
+        t = c.tags["turn"]
+        assert c.extends_reply == (t > 0) and c.returns_ids == (t < 2)
+        assert c.prompt == (p.prompt if t == 0 else p.prompt[-4:])
+    code = main(["--base-url", "http://127.0.0.1:9", "--workload", "shared-prefix",
+                 "--with-replies"])
+    assert code == 2 and "--with-replies needs --workload multi-turn" in capsys.readouterr().err
