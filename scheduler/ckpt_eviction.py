@@ -3,10 +3,7 @@ consumed) or ``reuse`` (``by_value``: recency plus the prefill a hit there saves
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from scheduler.radix_cache import Node
+from scheduler.radix_node import Node
 
 CKPT_EVICTIONS = ("lru", "reuse")
 DEFAULT_CKPT_EVICTION = "reuse"  # the server's: docs/results/serving.md, "Checkpoint eviction"

@@ -28,40 +28,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import NamedTuple
 
 from scheduler.ckpt_eviction import CKPT_EVICTIONS, by_value
 from scheduler.pools import IndexPool
-from scheduler.radix_integrity import check_tree
-
-
-class Node:
-    __slots__ = ("key", "value", "ckpt", "parked", "parent", "children", "depth", "lock_ref",
-                 "ckpt_lock", "kv_access", "ckpt_access")
-
-    def __init__(self, key: list[int], value: list[int], parent: Node | None, depth: int):
-        self.key, self.value, self.parent, self.depth = key, value, parent, depth
-        self.ckpt: int | None = None
-        self.parked: int | None = None  # active slot holding the exact state after this node
-        self.children: dict[int, Node] = {}
-        self.lock_ref = self.ckpt_lock = 0
-        self.kv_access = self.ckpt_access = 0
-
-    def __lt__(self, other: Node) -> bool:  # heap tie-breaks
-        return id(self) < id(other)
-
-
-class MatchResult(NamedTuple):
-    node: Node  # deepest matched node with a checkpoint or a parked slot (else the root)
-    length: int  # tokens covered: [0, length)
-    kv_rows: list[int]  # their KV rows (owned by the tree)
-
-
-class InsertResult(NamedTuple):
-    node: Node  # the node that ends at len(tokens)
-    num_existing: int  # leading tokens that were already cached (their rows stay the tree's)
-    kv_rows: list[int]  # the tree's rows for [0, len(tokens)) after the insert
-    ckpt_taken: bool  # False: the node already had a checkpoint; the caller frees its slot
+from scheduler.radix_node import InsertResult, MatchResult, Node, common_prefix
 
 
 class RadixCache:
@@ -126,7 +96,7 @@ class RadixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            common = _common_prefix(child.key, tokens, pos)
+            common = common_prefix(child.key, tokens, pos)
             pos += common
             if common < len(child.key):
                 break
@@ -217,7 +187,7 @@ class RadixCache:
                 node.children[tokens[pos]] = new
                 node, num_existing = new, pos
                 break
-            common = _common_prefix(child.key, tokens, pos)
+            common = common_prefix(child.key, tokens, pos)
             if common < len(child.key):
                 child = self._split(child, common)
             child.kv_access = now
@@ -336,14 +306,41 @@ class RadixCache:
     def check_integrity(self, owned_rows: list[int], owned_ckpts: list[int],
                         locked: list[Node], ckpt_locked: list[Node],
                         owned_slots: list[int] | None = None) -> None:
-        """``radix_integrity.check_tree``: raise AssertionError where the tree, its locks and
-        the pools disagree with what the requests hold."""
-        check_tree(self, owned_rows, owned_ckpts, locked, ckpt_locked, owned_slots)
-
-
-def _common_prefix(key: list[int], tokens: list[int], pos: int) -> int:
-    n = min(len(key), len(tokens) - pos)
-    i = 0
-    while i < n and key[i] == tokens[pos + i]:
-        i += 1
-    return i
+        """Raise AssertionError unless the tree and the pools agree with what requests hold:
+        every row / checkpoint slot is free, cached in exactly one node, or owned by one
+        request; with ``owned_slots`` (the running requests' active slots), so is every active
+        slot, a parked one in exactly one node."""
+        expect_lock: dict[int, int] = {id(self.root): 1}
+        for node in locked:
+            while node is not None:
+                expect_lock[id(node)] = expect_lock.get(id(node), 0) + 1
+                node = node.parent
+        expect_ckpt_lock: dict[int, int] = {}
+        for node in ckpt_locked:
+            expect_ckpt_lock[id(node)] = expect_ckpt_lock.get(id(node), 0) + 1
+        rows, ckpts = list(owned_rows), list(owned_ckpts)
+        parked = []
+        for n in self._nodes():
+            assert n.lock_ref == expect_lock.get(id(n), 0), "lock_ref mismatch"
+            assert n.ckpt_lock == expect_ckpt_lock.get(id(n), 0), "ckpt_lock mismatch"
+            rows.extend(n.value)
+            if n.ckpt is not None:
+                ckpts.append(n.ckpt)
+            if n.parked is not None:
+                parked.append(n.parked)
+                assert self._parked.get(n.parked) is n, "a parked slot's node is not indexed"
+            for first, child in n.children.items():
+                assert child.parent is n and child.key and child.key[0] == first
+                assert len(child.key) == len(child.value)
+                assert child.depth == n.depth + len(child.key)
+            if n.parent is not None and not n.children:
+                assert n.ckpt is not None or n.parked is not None or n.lock_ref > 0, \
+                    "useless leaf"
+        assert len(parked) == len(self._parked), "the parked index names a node not in the tree"
+        pools = [("KV row", rows, self.kv_pool), ("slot", ckpts, self.ckpt_pool)]
+        if owned_slots is not None and self.slot_pool is not None:
+            pools.append(("active slot", list(owned_slots) + parked, self.slot_pool))
+        for name, held, pool in pools:
+            assert len(held) == len(set(held)), f"a {name} is held twice"
+            assert not set(held) & pool.free_ids(), f"a {name} is both free and held"
+            assert len(held) + pool.num_free == pool.size, f"a {name} leaked"
