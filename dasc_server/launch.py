@@ -37,9 +37,11 @@ from scheduler.serve_config import ServeConfig
 
 
 def bind_http(host: str, port: int) -> socket.socket:
-    """Claim the HTTP port before any model loads; uvicorn listens on it once ready."""
+    """Claim the HTTP port before any model loads; uvicorn listens on it once ready.  The proto
+    must say TCP: only then does asyncio turn Nagle's algorithm off on accepted connections
+    (with proto 0 a streamed frame after the headers waited for the client's delayed ACK)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
