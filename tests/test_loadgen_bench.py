@@ -54,3 +54,23 @@ def test_client_cost_runs_both_clients_against_a_real_server(tmp_path):
     for r in rows:
         assert r["requests"] == 12 and r["client_cpu_ms_per_request"] > 0
         assert r["client_mean_ttft_ms"] >= r["server_mean_ttft_ms"] > 0
+
+
+def test_chat_parking_adopts_every_later_turn_only_when_parking(tmp_path):
+    """Slots to spare: with parking every later turn adopts its parked slot (no load); with
+    --no-park-finished every one loads a checkpoint (and wr replays the window)."""
+    from loadgen.bench.chat_parking import main as chat_parking
+
+    out = tmp_path / "chat.json"
+    assert chat_parking(["--max-running-requests", "8", "--conversations", "2", "--turns", "3",
+                         "--context", "40", "--turn-len", "8", "--max-tokens", "3",
+                         "--concurrency", "2", "--out", str(out)]) == 0
+    rows = {r["arm"]: r for r in json.loads(out.read_text())}
+    later_turns = 2 * 2
+    for arm in ("nr, not parked", "wr, not parked"):
+        r = rows[arm]
+        assert r["parked_hits"] == 0 and r["loads_nr"] + r["loads_wr"] == later_turns
+    parked = rows["wr, parked (default)"]
+    assert parked["parked_hits"] == later_turns and parked["loads_wr"] == 0
+    assert parked["refresh_tokens"] == 0 < rows["wr, not parked"]["refresh_tokens"]
+    assert all(r["failed"] == 0 for r in rows.values())

@@ -7,7 +7,9 @@ IPC's share of a decode step, and the gaps between a stream's frames.
 
 TTFT is measured client-side, from sending the request to the first SSE frame with text.  A miss
 is prefix_i + suffix_a on a flushed cache; the hit is prefix_i + suffix_b right after it (the
-prefix checkpoint sits on the --checkpoint-interval grid).  The decode share comes from the
+prefix checkpoint sits on the --checkpoint-interval grid).  An exact repeat of prefix_i +
+suffix_b then hits at its last token: one forward of one token, so its TTFT is mostly the
+serving path's own latency (HTTP, IPC, scheduling).  The decode share comes from the
 scheduler's own clock: 1 - (rank 0's step time) / (scheduler's whole step: plan, IPC, ranks,
 results), over a window where ``--batch`` requests decode together.  Frame gaps: ``--gap-streams``
 streams one after another, each ``--gap-tokens`` long; a gap is the time between two token
@@ -65,18 +67,23 @@ def stream_ttft(base_url: str, prompt: list[int], max_tokens: int = 1) -> tuple[
 
 def hit_vs_miss(server, args) -> dict:
     rng = random.Random(0)
-    miss, hit = [], []
+    miss, hit, repeat = [], [], []
     for _ in range(args.reps):
         prefix = text_ids(rng, args.prefix_len)
         server.flush()
         t_miss, c_miss = stream_ttft(server.base_url, prefix + text_ids(rng, args.suffix_len))
-        t_hit, c_hit = stream_ttft(server.base_url, prefix + text_ids(rng, args.suffix_len))
+        prompt = prefix + text_ids(rng, args.suffix_len)
+        t_hit, c_hit = stream_ttft(server.base_url, prompt)
+        t_repeat, c_repeat = stream_ttft(server.base_url, prompt)
         assert c_miss == 0 and c_hit >= args.prefix_len, (c_miss, c_hit)
+        assert c_repeat == len(prompt) - 1, c_repeat
         miss.append(t_miss)
         hit.append(t_hit)
+        repeat.append(t_repeat)
     m, h = statistics.median(miss), statistics.median(hit)
     return {"ttft_miss_ms": round(m, 1), "ttft_hit_ms": round(h, 1),
-            "hit_over_miss": round(h / m, 3)}
+            "hit_over_miss": round(h / m, 3),
+            "ttft_exact_repeat_ms": round(statistics.median(repeat), 1)}
 
 
 def decode_share(server, args) -> dict:
