@@ -14,8 +14,8 @@ the tests):
 
 A node may also hold a *parked* active slot: a finished request's own state slot, exact for the
 node's tokens.  A hit there adopts it: no checkpoint load, no dasc-wr refresh.  A volatile tier
-over the checkpoints: the least recently parked or hit one goes back to ``slot_pool`` (the
-active slots) when an admission finds no free slot, and with its node's KV.
+over the checkpoints: the oldest parked one goes back to ``slot_pool`` (the active slots) when
+an admission finds no free slot, and any one goes with its node's KV.
 
 Two LRU orders (PR #31643 of SGLang): ``kv_access`` is touched along a matched path and orders
 leaf eviction; ``ckpt_access`` is touched only on the node whose checkpoint a hit consumes and
@@ -43,7 +43,7 @@ class RadixCache:
             raise ValueError(f"checkpoint eviction must be one of {', '.join(CKPT_EVICTIONS)}, "
                              f"got {ckpt_eviction!r}")
         self.kv_pool, self.ckpt_pool, self.slot_pool = kv_pool, ckpt_pool, slot_pool
-        self._parked: dict[int, Node] = {}  # parked slot -> its node, oldest park or hit first
+        self._parked: dict[int, Node] = {}  # parked slot -> its node, oldest first
         self.ckpt_eviction = ckpt_eviction
         self.root = Node([], [], None, 0)
         self.root.lock_ref = 1  # never evicted
@@ -63,8 +63,6 @@ class RadixCache:
             return MatchResult(self.root, 0, [])
         hit = path[best - 1]
         hit.ckpt_access = now
-        if hit.parked is not None:  # most recently used parked slot: dropped last
-            self._parked[hit.parked] = self._parked.pop(hit.parked)
         return MatchResult(hit, hit.depth, rows)
 
     def match_len(self, tokens: list[int], max_len: int) -> int:
@@ -160,8 +158,8 @@ class RadixCache:
         return slot
 
     def drop_parked(self, num: int) -> int:
-        """Free up to ``num`` parked slots into the slot pool, least recently parked or hit
-        first; returns how many."""
+        """Free up to ``num`` parked slots into the slot pool, oldest first (a hit there takes
+        its slot at once, so age is recency); returns how many."""
         dropped = list(itertools.islice(self._parked.values(), num))
         for node in dropped:
             self._drop_parked(node)

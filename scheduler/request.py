@@ -24,7 +24,6 @@ class Req:
     slot: int = 0  # active state slot; holds the state after ``computed`` tokens
     computed: int = 0
     hit_len: int = 0  # tokens restored from the cache at admission (usage.cached_tokens)
-    adopted: bool = False  # the hit took a parked slot as it was (no load, no refresh)
     pending_store: tuple[int, int] | None = None  # (boundary, checkpoint slot) of this step
     finish_reason: str | None = None
     arrival: int = 0  # order of add(); ties in the schedule policy go to the earlier

@@ -91,14 +91,12 @@ class StepPlanner:
                 skipped.append(r)
                 continue
             if not is_admitted:
-                if not self._admit(r, plan):
+                if not self._admit(r, plan, ckpt_locked):
                     can_admit = False
                     skipped.append(r)
                     continue
                 table.waiting.remove(r)
                 table.running.append(r)
-                if r.hit_len and not r.adopted:
-                    ckpt_locked.append(r.node)
             taken = self._add_chunk(plan, r, budget)
             budget -= taken
             longest = max(longest, taken)
@@ -117,10 +115,11 @@ class StepPlanner:
             return len(r.prompt)
         return len(r.prompt) - self.table.cache.match_len(r.prompt, len(r.prompt) - 1)
 
-    def _admit(self, r: Req, plan: BatchPlan) -> bool:
+    def _admit(self, r: Req, plan: BatchPlan, ckpt_locked: list[Node]) -> bool:
         """Match the prompt, lock the hit, reserve KV rows and an active slot: the hit's
-        parked slot if it has one (adopted as it is), else a free one (dropping the least
-        recently used parked slot when none is free)."""
+        parked slot if it has one (adopted as it is), else a free one (dropping the oldest
+        parked slot when none is free).  A checkpoint the plan loads is locked and listed in
+        ``ckpt_locked``."""
         table = self.table
         cache = table.cache
         if table.slots.num_free == 0 and cache.num_parked == 0:
@@ -135,7 +134,6 @@ class StepPlanner:
             cache.unlock(hit.node)
             return False
         r.slot = cache.unpark(hit.node) if adopt else table.slots.alloc(1)[0]
-        r.adopted = adopt
         r.node, r.rows, r.cached_len = hit.node, hit.kv_rows + rows, hit.length
         table.new_tables[r.rid] = r
         r.computed = r.hit_len = hit.length
@@ -146,6 +144,7 @@ class StepPlanner:
             counters.parked_hits += 1
         elif hit.length:
             cache.lock_ckpt(hit.node)
+            ckpt_locked.append(hit.node)
             plan.loads.append((hit.node.ckpt, r.slot))
             self._plan_refresh(plan, r)
         return True

@@ -12,16 +12,19 @@ checkpoint), then dasc-wr with parking (the default).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
 from dasc_server.spawn import running_server
 from loadgen.bench.report import markdown_table
-from model_runner.config import DEFAULT_MODEL
+from loadgen.runner import run_window
+from loadgen.stream import make_client
+from loadgen.summary import summarize
+from loadgen.workload import Request, multi_turn
+from model_runner.config import DEFAULT_MODEL, ModelConfig
 
 ARMS = [("nr, not parked", ["--load-policy", "nr", "--no-park-finished"]),
         ("wr, not parked", ["--load-policy", "wr", "--no-park-finished"]),
@@ -29,20 +32,19 @@ ARMS = [("nr, not parked", ["--load-policy", "nr", "--no-park-finished"]),
 COUNTERS = ("parked_hits", "loads_nr", "loads_wr", "refresh_tokens")
 
 
-def run_one(args: argparse.Namespace, running: int, name: str, flags: list[str]) -> dict:
+def run_one(args: argparse.Namespace, requests: list[Request], running: int, name: str,
+            flags: list[str]) -> dict:
     serve = ["--model", str(args.model), "--wmax", f"{args.wmax:g}", "--checkpoint-interval",
              "256", "--max-running-requests", str(running), *flags]
-    with running_server(*serve) as server, tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run.jsonl"
-        cmd = [sys.executable, "-m", "loadgen.cli", "--base-url", server.base_url,
-               "--workload", "multi-turn", "--with-replies",
-               "--num-groups", str(args.conversations), "--prompts-per-group", str(args.turns),
-               "--prefix-len", str(args.context), "--suffix-len", str(args.turn_len),
-               "--max-tokens", str(args.max_tokens), "--concurrency", str(args.concurrency),
-               "--seed", str(args.seed), "--no-progress", "--output", str(out)]
-        subprocess.run(cmd, capture_output=True, text=True, check=True)
+    with running_server(*serve) as server:
+
+        async def go():
+            async with make_client(server.base_url, args.concurrency) as client:
+                return await run_window(client, requests, args.concurrency)
+
+        win = asyncio.run(go())
         counters = server.stats()["counters"]
-        summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    summary = summarize(win.results, win.duration)
     row = {"max_running_requests": running, "arm": name, "dasc_serve_flags": serve,
            "hit": summary["cache_hit_rate"], "mean_ttft_ms": summary["mean_ttft_ms"],
            "mean_tpot_ms": summary.get("mean_tpot_ms"), "duration_s": summary["duration"],
@@ -78,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON file of the rows (default: the table only)")
     args = p.parse_args(argv)
-    rows = [run_one(args, running, name, flags)
+    # the prompts dasc-loadgen --workload multi-turn --with-replies sends (its default range)
+    requests = multi_turn(args.conversations, args.turns, args.context, args.turn_len,
+                          (0, ModelConfig.from_dir(args.model).vocab_size), args.seed,
+                          args.max_tokens, with_replies=True)
+    rows = [run_one(args, requests, running, name, flags)
             for running in args.max_running_requests for name, flags in ARMS]
     print(markdown(rows))
     if args.out is not None:
