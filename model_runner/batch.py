@@ -16,6 +16,13 @@ A step may carry dasc-wr *replays* ahead of its sequences (``Refresh``): the bat
 read-only KV.  They write no KV and return no logits; in every linear layer their recurrence
 runs first and ``Refresh.merge`` then copies the omitted units into the restored slots, so a
 hit's own tokens in the same step already read the refreshed state.
+
+A sequence with a ``snapshot_slot`` also leaves, in that slot, the recurrent state after all but
+its last new token (a checkpoint the scheduler stores after the step: the state at a prompt's
+end minus one, with the first token sampled in the same step).  In every linear layer the
+sequence's recurrence stops one token short, the state is copied, and the last token runs on.
+A snapshot slot may be a replay's scratch slot: a layer writes the snapshot after its merge, the
+last read of the replay's state there.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class SeqInput:
     prefix_len: int
     page_table: list[int] | torch.Tensor  # KV page ids in position order (may run past the end)
     state_slot: int
+    snapshot_slot: int = 0  # > 0: also the state after all but the last new token, there
 
 
 @dataclass(slots=True)
@@ -58,6 +66,8 @@ class ForwardBatch:
     refresh: Refresh | None = None  # its seqs lead the batch (module docstring)
     kv_table: torch.Tensor | None = None  # [B, C] static decode: KV rows of positions [0, C)
     kv_lens: torch.Tensor | None = None  # [B] static decode: valid table columns [0, len)
+    # (sequence index, slot): the state after all but that sequence's last token goes there
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
     # [B - num_replays] row of each (non-replay) sequence's last token
     last_token_index: torch.Tensor = field(init=False)
 
@@ -73,7 +83,7 @@ class ForwardBatch:
         return ForwardBatch(self.token_ids[t:], self.positions[t:], self.seq_lens[r:],
                             self.prefix_lens[r:], [c - t for c in self.cu_seqlens[r:]],
                             self.state_slots[r:], self.kv_write_index, self.kv_read_index[r:],
-                            is_decode=False)
+                            is_decode=False, snapshots=[(i - r, s) for i, s in self.snapshots])
 
     @property
     def num_replays(self) -> int:
@@ -143,4 +153,6 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
         kv_read_index=read,
         is_decode=not replays and all(len(s.token_ids) == 1 for s in seqs),
         refresh=refresh,
+        snapshots=[(len(replays) + i, s.snapshot_slot) for i, s in enumerate(seqs)
+                   if s.snapshot_slot],
     )

@@ -135,7 +135,7 @@ class ModelRunner:
             for s in everything:
                 self.check_tokens(s.token_ids)
                 self.check_page_table(s.page_table)
-        self._check_step(everything)
+        self._check_step(seqs, everything)
         fresh = [s.state_slot for s in seqs if s.prefix_len == 0]
         if refresh is not None:
             fresh += [s.state_slot for s in refresh.seqs]
@@ -150,17 +150,24 @@ class ModelRunner:
         ctx = StepContext(batch, self.kv, self.state, capture)
         return self.model(ctx, all_logits=all_logits)
 
-    def _check_step(self, seqs: list[SeqInput]) -> None:
+    def _check_step(self, seqs: list[SeqInput], everything: list[SeqInput]) -> None:
         """Reject a step that would read or write outside the state pool or let two sequences
-        share a state slot (which would silently mix their states); O(num_seqs).  Whether the
-        step's KV rows lie in the tables and write distinct rows ``build_batch`` checks."""
-        slots = [s.state_slot for s in seqs]
+        (``everything``: ``seqs`` and the replays) share a state slot, which would silently mix
+        their states, or a snapshot land in a slot of ``seqs`` or another snapshot's (a
+        replay's scratch slot is allowed: ``batch``); O(num_seqs).  Whether the step's KV rows
+        lie in the tables and write distinct rows ``build_batch`` checks."""
+        slots = [s.state_slot for s in everything]
+        snapshots = [s.snapshot_slot for s in seqs if s.snapshot_slot]
         if len(set(slots)) != len(slots):
             raise ValueError(f"two sequences in one step share a state slot: {slots}")
-        for s in seqs:
-            if not 0 < s.state_slot < self.rc.num_state_slots:
-                raise ValueError(f"state slot {s.state_slot} outside [1, "
-                                 f"{self.rc.num_state_slots})")
+        if len(set(snapshots)) != len(snapshots) or {s.state_slot for s in seqs} & set(snapshots):
+            raise ValueError(f"snapshot slots {snapshots} repeat or hold a sequence of the step")
+        for slot in slots + snapshots:
+            if not 0 < slot < self.rc.num_state_slots:
+                raise ValueError(f"state slot {slot} outside [1, {self.rc.num_state_slots})")
+        for s in everything:
+            if s.snapshot_slot and len(s.token_ids) < 2:
+                raise ValueError("a snapshot needs a sequence of at least two new tokens")
             if s.prefix_len < 0:
                 raise ValueError(f"negative prefix length {s.prefix_len}")
 

@@ -150,7 +150,8 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
     controls.release(plan.release)
 
     def seq(s: SeqStep) -> SeqInput:
-        return SeqInput(s.token_ids, s.prefix_len, tables.rows(s.rid), s.state_slot)
+        return SeqInput(s.token_ids, s.prefix_len, tables.rows(s.rid), s.state_slot,
+                        s.snapshot_slot)
 
     if plan.stores_before:
         runner.store_checkpoints(*_unzip(plan.stores_before))

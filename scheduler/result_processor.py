@@ -19,7 +19,7 @@ def process_result(table: RequestTable, inflight: list[InFlight],
     tops = iter(zip(result.top_ids, result.top_logprobs, strict=True))
     targets = iter(zip(result.target_logprobs, result.target_top_ids,
                        result.target_top_logprobs, strict=True))
-    for r, n, is_sampled, has_targets in inflight:
+    for r, n, is_sampled, has_targets, _ in inflight:
         r.computed += n
         if has_targets:
             lps, top_ids, top_lps = next(targets)

@@ -2,6 +2,13 @@
 (admitting waiting requests as KV rows and slots allow), checkpoint loads for their hits,
 dasc-wr refreshes, and checkpoint stores at chunk ends.
 
+A chunk that reaches one token past a store point (the prompt's end minus one, where every
+prompt stores) runs on to its end: the ranks snapshot the state before its last token into a
+scratch slot (``SeqStep.snapshot_slot``) and the store reads that slot, so the first token is
+sampled in the step that stores, not one step later.  A request takes at most one scratch slot
+a step, shared by its dasc-wr replay and its snapshot (each linear layer writes the snapshot
+after its merge read the replay), so the ``max_running_requests`` scratch slots always suffice.
+
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
 ``--checkpoint-admission`` (scheduler/admission.py); a prefill chunk always ends at the next one.
 
@@ -30,6 +37,7 @@ class InFlight(NamedTuple):
     num_tokens: int  # new tokens the step computes
     is_sampled: bool
     has_targets: bool  # prompt logprobs asked for this chunk
+    snapshot_slot: int  # > 0: the state before the last token is left there (a store point)
 
 
 class StepPlanner:
@@ -37,13 +45,14 @@ class StepPlanner:
         self.cfg = cfg
         self.table = table
         self.inflight: list[InFlight] = []
+        self._scratch: dict[str, int] = {}  # this step's scratch slot of each request that has one
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
 
     def schedule(self) -> BatchPlan | None:
         table = self.table
         plan = BatchPlan(self._next_step_id(), stores_before=table.stores_before)
-        table.stores_before, self.inflight = [], []
+        table.stores_before, self.inflight, self._scratch = [], [], {}
         budget = self.cfg.chunked_prefill_size
         for r in table.running:
             if not r.is_prefilling:
@@ -52,11 +61,16 @@ class StepPlanner:
         ckpt_locked = []
         if self.cfg.policy.takes_prefill(bool(plan.seqs), self._decode_only_run):
             ckpt_locked = self._add_prefills(plan, budget)
-        has_prefill = any(r.is_prefilling for r, _, _, _ in self.inflight)
+        has_prefill = any(f.req.is_prefilling for f in self.inflight)
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
-        for r, n, _, _ in self.inflight:  # after every match: stores never feed this step's loads
-            if r.is_prefilling:
-                self._plan_store(plan, r, r.computed + n)
+        # stores are planned after every match, so they never feed this step's loads
+        for r, n, _, _, snapshot in self.inflight:
+            if not r.is_prefilling:
+                continue
+            if snapshot:
+                self._plan_store(plan, r, r.computed + n - 1, snapshot)
+            else:
+                self._plan_store(plan, r, r.computed + n, r.slot)
         for node in ckpt_locked:
             table.cache.unlock_ckpt(node)
         if not plan.seqs and not plan.stores_before:
@@ -158,7 +172,7 @@ class StepPlanner:
         end = r.computed
         start = max(0, end - window)
         plan.refresh.append(SeqStep(r.rid, r.prompt[start:end], start, r.slot))
-        plan.refresh_scratch.append(self.cfg.scratch_slot_base + len(plan.refresh_scratch))
+        plan.refresh_scratch.append(self._scratch_slot(r))
         counters.loads_wr += 1
         counters.refresh_tokens += end - start
 
@@ -169,18 +183,29 @@ class StepPlanner:
         return store_points(r.prompt, cfg.checkpoint_interval, cfg.ckpt_admission,
                             self.table.cache)
 
+    def _scratch_slot(self, r: Req) -> int:
+        """The step's scratch slot of ``r`` (the module docstring says why one is enough)."""
+        slot = self._scratch.get(r.rid)
+        if slot is None:
+            slot = self._scratch[r.rid] = self.cfg.scratch_slot_base + len(self._scratch)
+        return slot
+
     def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
         """Prefill up to ``budget`` tokens, ending at the next boundary that still needs a
-        checkpoint; returns the tokens taken."""
+        checkpoint, or one token past it with a snapshot there; returns the tokens taken."""
         end = min(len(r.prompt), r.computed + budget)
+        snapshot = 0
         for b in self._boundaries(r):
             if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None:
-                end = b
+                if b == end - 1:
+                    snapshot = self._scratch_slot(r)
+                else:
+                    end = b
                 break
-        self._add_seq(plan, r, end)
+        self._add_seq(plan, r, end, snapshot)
         return end - r.computed
 
-    def _add_seq(self, plan: BatchPlan, r: Req, end: int) -> None:
+    def _add_seq(self, plan: BatchPlan, r: Req, end: int, snapshot: int = 0) -> None:
         sample = None
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
@@ -188,13 +213,14 @@ class StepPlanner:
                             num_top_logprobs=s.top_logprobs)
             if not r.output and s.has_logit_controls:
                 sample.controls = self._controls(r)
-        step = SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot, sample)
+        step = SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot, sample,
+                       snapshot_slot=snapshot)
         if r.sampling.prompt_logprobs:  # the prompt tokens after this chunk's tokens
             step.logprob_targets = r.prompt[r.computed + 1 : min(end + 1, len(r.prompt))]
             step.num_top_targets = r.sampling.top_logprobs
         plan.seqs.append(step)
         self.inflight.append(InFlight(r, end - r.computed, sample is not None,
-                                      bool(step.logprob_targets)))
+                                      bool(step.logprob_targets), snapshot))
 
     def _controls(self, r: Req) -> LogitControls:
         """What rank 0 keeps for the request; only ids inside the vocabulary are banned (a stop
@@ -208,11 +234,12 @@ class StepPlanner:
                              float(s.frequency_penalty), float(s.repetition_penalty),
                              s.min_tokens, banned if s.min_tokens else [], seen, s.grammar)
 
-    def _plan_store(self, plan: BatchPlan, r: Req, end: int) -> None:
+    def _plan_store(self, plan: BatchPlan, r: Req, end: int, source: int) -> None:
+        """Store the state after prompt[:end], which the step leaves in slot ``source``."""
         cache = self.table.cache
         if end not in self._boundaries(r) or cache.ckpt_at(r.prompt[:end]) is not None:
             return
         ckpt = cache.alloc_ckpt()
         if ckpt is not None:
-            plan.stores_after.append((r.slot, ckpt))
+            plan.stores_after.append((source, ckpt))
             r.pending_store = (end, ckpt)

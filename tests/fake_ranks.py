@@ -112,9 +112,17 @@ class FakeRanks:
             self.num_refresh += 1
         if cfg.load_policy is not LoadPolicy.WR or cfg.refresh_window <= 0:
             assert not plan.refresh
-        # (4) forward
+        # (4) forward; a snapshot slot (a scratch slot, at most one per request, shared with its
+        # replay) gets the state before the sequence's last token
         written: set[int] = set()
+        snapshots: dict[int, int] = {}  # snapshot slot -> the prefix length it holds
         for q in plan.seqs:
+            if q.snapshot_slot:
+                assert cfg.scratch_slot_base <= q.snapshot_slot < cfg.num_state_slots
+                assert q.snapshot_slot not in snapshots and len(q.token_ids) >= 2
+                scratch = dict(zip((x.state_slot for x in plan.refresh), plan.refresh_scratch))
+                assert q.snapshot_slot not in set(plan.refresh_scratch) - {
+                    scratch.get(q.state_slot)}, "a snapshot takes another request's scratch"
             assert 1 <= q.state_slot < cfg.scratch_slot_base
             r = by_slot[q.state_slot]
             n, kv_rows = len(q.token_ids), self.kv_rows(q)
@@ -138,15 +146,22 @@ class FakeRanks:
             for x, h in zip(new_rows, hs[q.prefix_len :]):
                 self.row[x] = h
             self.active[q.state_slot] = state_of(full)
+            if q.snapshot_slot:
+                self.active[q.snapshot_slot] = state_of(full[:-1])
+                snapshots[q.snapshot_slot] = len(full) - 1
         # (5) checkpoints at chunk ends on the boundary grid
         after_ckpts = [c for _, c in plan.stores_after]
         assert len(after_ckpts) == len(set(after_ckpts))
         assert not set(after_ckpts) & set(in_tree), "a store overwrites a cached checkpoint"
         assert not set(after_ckpts) & {c for c, _ in plan.loads}
         for active, c in plan.stores_after:
-            assert active in seq_slots
-            r = by_slot[active]
-            end = r.computed + len(plan.seqs[seq_slots.index(active)].token_ids)
+            if active in snapshots:
+                q = next(q for q in plan.seqs if q.snapshot_slot == active)
+                r, end = by_slot[q.state_slot], snapshots[active]
+            else:
+                assert active in seq_slots
+                r = by_slot[active]
+                end = r.computed + len(plan.seqs[seq_slots.index(active)].token_ids)
             assert cfg.prefix_cache and may_store(s, r.prompt, end)
             assert s.cache.ckpt_at(r.prompt[:end]) is None
             self.ckpt[c] = self.active[active]

@@ -186,6 +186,27 @@ def greedy_decode(model_dir: str, prompts: list[list[int]], num_steps: int,
     return logits
 
 
+def snapshot_step(model_dir: str, prompts: list[list[int]], through_fla: bool) -> dict:
+    """One prefill step of ``prompts`` in which each sequence also snapshots the state before
+    its last token (``SeqInput.snapshot_slot``), on the CPU path or with the CUDA branches (fla's
+    chunk kernels on the shortened sequences, its fused recurrent kernel on the last tokens);
+    returns the logits and the states of the sequences' slots and of their snapshot slots."""
+    page_size, pages_per_seq = 4, 16
+    runner = ModelRunner(RunnerConfig(
+        model_dir, device="cpu", num_pages=pages_per_seq * len(prompts) + 1,
+        page_size=page_size, num_state_slots=2 * len(prompts) + 1))
+    n = len(prompts)
+    seqs = [SeqInput(list(p), 0, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)),
+                     i + 1, snapshot_slot=n + i + 1) for i, p in enumerate(prompts)]
+    if through_fla:
+        with tensors_claim_cuda():
+            logits = runner.forward(seqs)
+    else:
+        logits = runner.forward(seqs)
+    return {"logits": logits, "temporal": runner.state.temporal.clone(),
+            "conv": runner.state.conv.clone()}
+
+
 def reference_bindings() -> dict:
     """`reference_imports.import_references_then_fla` run in a fresh process (before anything
     imported fla): which transformers functions bound fla, and whether fla.ops imports after."""

@@ -89,7 +89,23 @@ def test_chat_logprobs(oai, k):
     for chunk in chat(oai, stream=True, logprobs=True, top_logprobs=k):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert_same_logprobs(streamed, content)
+
+
+def assert_same_logprobs(got, want) -> None:
+    """Same tokens, bytes and alternatives; logprobs within 1e-5.  The first call prefilled
+    the prompt and the later ones hit its checkpoint, so the prompt's last token ran inside
+    its prefill chunk once and in a step of its own after: GEMMs over other row counts, which
+    round differently (measured: 1.2e-6)."""
+    def tokens(entries):
+        return [(e.token, e.bytes, [(a.token, a.bytes) for a in e.top_logprobs]) for e in entries]
+
+    def values(entries):
+        return [[e.logprob] + [a.logprob for a in e.top_logprobs] for e in entries]
+
+    assert tokens(got) == tokens(want)
+    for g, w in zip(values(got), values(want), strict=True):
+        assert g == pytest.approx(w, abs=1e-5)
 
 
 @pytest.mark.parametrize("kwargs,param", [

@@ -198,8 +198,9 @@ def test_consumed_checkpoint_survives_stores_planned_in_the_same_step():
     assert s.add("b", longer, SamplingParams(max_tokens=2)) is None
     plan = s.schedule()
     assert plan.loads == [(cached, plan.seqs[0].state_slot)]
-    # the chunk ends at the new prompt-end boundary, but the only slot is being loaded
-    assert plan.seqs[0].prefix_len + len(plan.seqs[0].token_ids) == len(longer) - 1
+    # the chunk snapshots the new prompt-end boundary, but the only slot is being loaded
+    assert plan.seqs[0].prefix_len + len(plan.seqs[0].token_ids) == len(longer)
+    assert plan.seqs[0].snapshot_slot >= s.cfg.scratch_slot_base
     assert plan.stores_after == []
     assert s.cache.ckpt_at(prompt[:16]) == cached
     s.check_integrity()

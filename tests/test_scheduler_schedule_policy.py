@@ -280,7 +280,7 @@ def test_decode_interleave_never_delays_prefill_without_decodes():
     loop = Loop(s, random_tokens())
     assert loop.add("a", prompt_of(24, seed=8), 1) is None
     loop.run()
-    # chunks 8, 8, 7 and the last token (prompt-end checkpoint at 23), back to back
-    assert [[q.rid for q in p.seqs] for p in loop.plans if p.seqs] == [["a"]] * 4
+    # chunks of 8, back to back (the last snapshots the prompt-end checkpoint at 23)
+    assert [[q.rid for q in p.seqs] for p in loop.plans if p.seqs] == [["a"]] * 3
     with pytest.raises(ValueError, match="decode_steps"):
         SchedulePolicy("lpm", decode_steps=-1)

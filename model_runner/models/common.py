@@ -16,7 +16,7 @@ from model_runner.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from model_runner.layers.mlp import DenseMLP, SparseMoE
 from model_runner.layers.norm import RMSNorm
 from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
-from model_runner.ops.short_conv import conv_decode, conv_prefill
+from model_runner.ops.short_conv import conv_decode, conv_prefill, conv_state_after
 from model_runner.parallel import TPGroup
 from model_runner.pools import KVPool, StatePool
 
@@ -33,15 +33,19 @@ class StepContext:
 
 def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, layer: int
                ) -> torch.Tensor:
-    """Causal conv over [N, C] channels, carrying each sequence's conv state in its slot."""
+    """Causal conv over [N, C] channels, carrying each sequence's conv state in its slot (and
+    the state before its last token into its snapshot slot, ``ForwardBatch.snapshots``)."""
     batch, pool = ctx.batch, ctx.state.conv[layer]
     slots = batch.state_slots
     if batch.is_decode:
         out, pool[slots] = conv_decode(mixed, weight, pool[slots])
         return out
     out = mixed.new_empty(mixed.shape)
+    snapshots = dict(batch.snapshots)
     for i, slot in enumerate(slots.tolist()):
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+        if i in snapshots:
+            pool[snapshots[i]] = conv_state_after(mixed[a:b], pool[slot], b - a - 1)
         out[a:b], pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
     return out
 
@@ -51,7 +55,8 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
     """Gated delta rule from / into each sequence's temporal state; returns o [N, Hv, V] FP32.
     ``operand_dtype``: the model's dtype, which fla's kernels read q, k, v and beta in.
     A step with dasc-wr replays runs them first, merges the omitted units into the hits' slots
-    (``Refresh.merge``), then runs its own sequences from the merged states."""
+    (``Refresh.merge``), then runs its own sequences from the merged states (so a snapshot
+    written into a replay's scratch slot comes after the merge read it)."""
     batch, pool = ctx.batch, ctx.state.temporal[layer]
     args = (scale, operand_dtype)
     if batch.num_replays:
@@ -60,14 +65,44 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
         replayed = _recurrence(pool, slots[:r], cu[: r + 1], *args, q[:t], k[:t], v[:t], g[:t],
                                beta[:t])
         batch.refresh.merge(layer)
-        rest = _recurrence(pool, slots[r:], [c - t for c in cu[r:]], *args, q[t:], k[t:], v[t:],
-                           g[t:], beta[t:])
+        rest = _snapshot_recurrence(pool, slots[r:], [c - t for c in cu[r:]],
+                                    [(i - r, s) for i, s in batch.snapshots], *args,
+                                    q[t:], k[t:], v[t:], g[t:], beta[t:])
         o = torch.cat([replayed, rest])
     else:
-        o = _recurrence(pool, batch.state_slots, batch.cu_seqlens, *args, q, k, v, g, beta)
+        o = _snapshot_recurrence(pool, batch.state_slots, batch.cu_seqlens, batch.snapshots,
+                                 *args, q, k, v, g, beta)
     if ctx.capture is not None:
         ctx.capture.setdefault("g", {})[layer] = g.detach().clone()
         ctx.capture.setdefault("q", {})[layer] = q.detach().clone()
+    return o
+
+
+def _snapshot_recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: list[int],
+                         snapshots: list[tuple[int, int]], scale: float,
+                         operand_dtype: torch.dtype, q, k, v, g, beta) -> torch.Tensor:
+    """``_recurrence``, and for each (sequence i, slot s) of ``snapshots`` the state before i's
+    last token copied into ``pool[s]``: the sequences run without their snapshot sequences'
+    last tokens, the states are copied, then those last tokens run as one decode."""
+    if not snapshots:
+        return _recurrence(pool, slots, cu_seqlens, scale, operand_dtype, q, k, v, g, beta)
+    seqs = [i for i, _ in snapshots]
+    last = [cu_seqlens[i + 1] - 1 for i in seqs]
+    keep = torch.ones(cu_seqlens[-1], dtype=torch.bool)
+    keep[last] = False
+    cut, short = [0], set(seqs)
+    for i in range(len(cu_seqlens) - 1):
+        cut.append(cut[-1] + cu_seqlens[i + 1] - cu_seqlens[i] - (i in short))
+    device = q.device
+    keep = keep.nonzero()[:, 0].to(device)
+    last_rows = torch.tensor(last, device=device)
+    o = v.new_empty(v.shape, dtype=torch.float32)
+    o[keep] = _recurrence(pool, slots, cut, scale, operand_dtype,
+                          *(x[keep] for x in (q, k, v, g, beta)))
+    held = slots[torch.tensor(seqs, device=slots.device)]
+    pool[torch.tensor([s for _, s in snapshots], device=pool.device)] = pool[held]
+    o[last_rows], pool[held] = delta_rule_decode(*(x[last_rows] for x in (q, k, v, g, beta)),
+                                                 pool[held], scale, operand_dtype)
     return o
 
 

@@ -27,6 +27,14 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
     return F.silu(out.to(weight.dtype)).to(x.dtype), ext[n:].t().to(state.dtype)
 
 
+def conv_state_after(x: torch.Tensor, state: torch.Tensor, n: int) -> torch.Tensor:
+    """The state ``conv_prefill(x[:n], ..., state)`` would leave, bit for bit: the last
+    (kernel - 1) rows of ``[state ; x[:n]]``."""
+    width = state.shape[1]
+    ext = torch.cat([state.t().float(), x[max(0, n - width) : n].float()])
+    return ext[ext.shape[0] - width :].t().to(state.dtype)
+
+
 def conv_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence. x: [B, C]; states: [B, C, kernel - 1] -> ([B, C], new states)."""

@@ -1,0 +1,123 @@
+"""A snapshot inside a step (``SeqInput.snapshot_slot``): the state before a sequence's last
+token, left in a scratch slot by the same forward that runs that token, equals the state a
+forward one token shorter leaves; the last token's logits and state equal those of the step
+that would have followed.  This is what lets a prompt-end checkpoint be stored in the step
+that samples the first token.
+
+Tolerance: the two ways run the same recurrences on the same inputs, but the projections are
+GEMMs over a different number of rows, so a row may round differently: 1e-5 of the compared
+tensor's scale (measured: at most 6e-7).  A snapshot taken one token late moves the state by
+more than 1e-2 of its scale, which the tests check as well."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_worker import plans
+from random_checkpoints import make_model
+from runner_scenarios import make_runner
+
+from model_runner.batch import SeqInput
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["kda", "gdn"])
+def runner(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"snap-{request.param}")
+    make_model(request.param, path)
+    runner = make_runner(str(path))
+    runner.attach_checkpoints(plans(str(path))["w32"], num_slots=2)
+    return runner
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool((a - b).abs().max() <= TOL * b.abs().max())
+
+
+def assert_states_close(got, want) -> None:
+    assert close(got.temporal, want.temporal) and close(got.conv, want.conv)
+
+
+def test_snapshots_in_a_mixed_step_equal_a_step_one_token_short(runner):
+    """Three sequences in one step: a fresh prompt with a snapshot, a decode token, and a
+    two-token chunk of a started sequence with a snapshot (its one earlier token lies inside
+    the conv window, so the conv snapshot keeps part of the carried state)."""
+    a, b, c = tokens(40, 1), tokens(10, 2), tokens(12, 3)
+    ta, tb, tc = list(range(0, 10)), list(range(10, 13)), list(range(20, 23))
+    runner.forward([SeqInput(b[:9], 0, tb, 2), SeqInput(c[:10], 0, tc, 3)])
+    b_state, c_state = runner.read_state(2), runner.read_state(3)
+
+    logits = runner.forward([SeqInput(a, 0, ta, 1, snapshot_slot=5),
+                             SeqInput(b[9:], 9, tb, 2),
+                             SeqInput(c[10:], 10, tc, 3, snapshot_slot=6)])
+    got = {slot: runner.read_state(slot) for slot in (1, 2, 3, 5, 6)}
+
+    # the same work, one token short, then the last tokens, from copies of the states before
+    # (the KV rows the step wrote are written again, from the same inputs)
+    runner.write_state(8, c_state)
+    runner.forward([SeqInput(a[:-1], 0, ta, 7), SeqInput(c[10:11], 10, tc, 8)])
+    before = {5: runner.read_state(7), 6: runner.read_state(8)}
+    ref = runner.forward([SeqInput(a[-1:], 39, ta, 7), SeqInput(c[11:], 11, tc, 8)])
+    runner.write_state(9, b_state)
+    ref_b = runner.forward([SeqInput(b[9:], 9, tb, 9)])
+
+    for slot, want in before.items():
+        assert_states_close(got[slot], want)
+    assert close(logits[[0, 2]], ref) and close(logits[1:2], ref_b)
+    assert_states_close(got[1], runner.read_state(7))
+    assert_states_close(got[3], runner.read_state(8))
+    assert_states_close(got[2], runner.read_state(9))
+    late = (got[1].temporal - got[5].temporal).abs().max()
+    assert late > 1e-2 * got[5].temporal.abs().max(), "the last token must move the state"
+
+
+def _restore_nr(runner, prompt, table) -> None:
+    runner.forward([SeqInput(prompt, 0, table, 1)])
+    runner.store_checkpoints([1], [0])
+    runner.load_checkpoints([0], [2])
+
+
+def test_a_snapshot_in_the_replays_scratch_slot_follows_the_refresh(runner):
+    """dasc-wr: the hit's replay and its snapshot share scratch slot 3.  The snapshot holds
+    the refreshed state before the suffix's last token: what the replay alone, then the suffix
+    one token short, leaves."""
+    prompt, suffix = tokens(40, 4), tokens(6, 5)
+    table = list(range(50, 62))
+    window = runner.checkpoints.plan.refresh_window
+    start = len(prompt) - window
+    replay = [SeqInput(prompt[start:], start, table, 2)]
+
+    _restore_nr(runner, prompt, table)
+    runner.refresh_omitted(replay, scratch_slots=[3])
+    runner.forward([SeqInput(suffix[:-1], len(prompt), table, 2)])
+    want_snapshot = runner.read_state(2)
+    want_logits = runner.forward([SeqInput(suffix[-1:], len(prompt) + 5, table, 2)])
+    want_final = runner.read_state(2)
+
+    _restore_nr(runner, prompt, table)
+    logits = runner.forward([SeqInput(suffix, len(prompt), table, 2, snapshot_slot=3)],
+                            refresh=runner.replays(replay, scratch_slots=[3]))
+    assert_states_close(runner.read_state(3), want_snapshot)
+    assert_states_close(runner.read_state(2), want_final)
+    assert close(logits, want_logits)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=1)], "snapshot slots"),
+    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=2), SeqInput([7], 0, [1], 2)], "snapshot slots"),
+    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=3),
+      SeqInput([7, 8], 0, [1], 2, snapshot_slot=3)], "snapshot slots"),
+    ([SeqInput([5], 0, [0], 1, snapshot_slot=3)], "at least two"),
+    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=12)], "outside"),
+])
+def test_bad_snapshots_are_refused_before_any_state_changes(runner, bad, match):
+    before = runner.state.temporal.clone(), runner.state.conv.clone()
+    with pytest.raises(ValueError, match=match):
+        runner.forward(bad)
+    assert torch.equal(runner.state.temporal, before[0])
+    assert torch.equal(runner.state.conv, before[1])
