@@ -121,3 +121,20 @@ def test_bad_snapshots_are_refused_before_any_state_changes(runner, bad, match):
         runner.forward(bad)
     assert torch.equal(runner.state.temporal, before[0])
     assert torch.equal(runner.state.conv, before[1])
+
+
+def test_the_snapshot_step_bench_times_both_forms_on_the_same_logits(capsys):
+    """``loadgen.bench.snapshot_step`` (a hit's suffix and a miss) reports both forms and
+    checks they agree."""
+    import json
+
+    from loadgen.bench import snapshot_step
+
+    snapshot_step.main(["--reps", "1", "--prefix", "20", "--chunks", "2", "9"])
+    snapshot_step.main(["--reps", "1", "--prefix", "0", "--chunks", "12"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prefix"], r["chunk"]) for r in rows] == [(20, 2), (20, 9), (0, 12)]
+    for r in rows:
+        assert r["split_ms"] > 0 and r["fused_ms"] > 0 and r["logits_rel_diff"] < TOL
+    with pytest.raises(SystemExit):
+        snapshot_step.main(["--chunks", "1"])
