@@ -150,6 +150,34 @@ def test_wr_hit_plans_a_refresh_into_a_scratch_slot(window, hit_len):
     assert_drained(s)
 
 
+@pytest.mark.parametrize("policy", [LoadPolicy.NR, LoadPolicy.WR])
+def test_the_first_token_comes_in_the_step_that_stores_the_prompt_end(policy):
+    """A miss, then a turn that extends it: each prompt's last chunk runs to its end, samples
+    the first token, and stores its prompt-end checkpoint from the snapshot slot, in one step.
+    A dasc-wr hit's replay and snapshot share one scratch slot."""
+    s = make(load_policy=policy, refresh_window=8, checkpoint_interval=0,
+             cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    first = prompt_of(20)
+    plan = run_one(loop, "a", first, 1)
+    assert len([p for p in loop.plans if p.seqs]) == 1
+    (q,) = plan.seqs
+    assert (q.prefix_len, len(q.token_ids)) == (0, 20) and q.sample is not None
+    assert q.snapshot_slot >= s.cfg.scratch_slot_base
+    (ckpt,) = tree_ckpts(s)
+    assert plan.stores_after == [(q.snapshot_slot, ckpt)]
+    assert s.cache.ckpt_at(first[:19]) is not None
+    num_plans = len(loop.plans)
+    plan = run_one(loop, "b", first + prompt_of(7, seed=2), 1)
+    assert len([p for p in loop.plans[num_plans:] if p.seqs]) == 1
+    (q,) = plan.seqs
+    assert (q.prefix_len, len(q.token_ids)) == (19, 8) and q.sample is not None
+    if policy is LoadPolicy.WR:
+        assert plan.refresh_scratch == [q.snapshot_slot]
+    assert [a for a, _ in plan.stores_after] == [q.snapshot_slot]
+    assert_drained(s)
+
+
 def test_nr_plans_no_refresh():
     s = make(load_policy=LoadPolicy.NR, refresh_window=8)
     loop = Loop(s, random_tokens())
