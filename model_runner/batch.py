@@ -53,6 +53,34 @@ class Refresh:
 
 
 @dataclass(slots=True)
+class Snapshots:
+    """A step's snapshots, derived once for every linear layer.  Indices count the step's own
+    sequences and their rows (those after the replays), so they hold with or without them."""
+
+    seqs: list[int]  # sequences with a snapshot
+    slots: list[int]  # their snapshot slots
+    keep_rows: torch.Tensor  # every row but those sequences' last tokens
+    last_rows: torch.Tensor  # those sequences' last tokens
+    cut_seqlens: list[int]  # cu_seqlens with those last tokens removed
+
+    @classmethod
+    def of(cls, seqs: list[SeqInput], device: torch.device) -> Snapshots | None:
+        if not any(s.snapshot_slot for s in seqs):
+            return None
+        end, cut, last = 0, [0], []
+        for s in seqs:
+            end += len(s.token_ids)
+            cut.append(cut[-1] + len(s.token_ids) - (1 if s.snapshot_slot else 0))
+            if s.snapshot_slot:
+                last.append(end - 1)
+        keep = torch.ones(end, dtype=torch.bool)
+        keep[last] = False
+        return cls([i for i, s in enumerate(seqs) if s.snapshot_slot],
+                   [s.snapshot_slot for s in seqs if s.snapshot_slot],
+                   keep.nonzero()[:, 0].to(device), torch.tensor(last, device=device), cut)
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
@@ -66,8 +94,7 @@ class ForwardBatch:
     refresh: Refresh | None = None  # its seqs lead the batch (module docstring)
     kv_table: torch.Tensor | None = None  # [B, C] static decode: KV rows of positions [0, C)
     kv_lens: torch.Tensor | None = None  # [B] static decode: valid table columns [0, len)
-    # (sequence index, slot): the state after all but that sequence's last token goes there
-    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: Snapshots | None = None  # over the sequences after the replays
     # [B - num_replays] row of each (non-replay) sequence's last token
     last_token_index: torch.Tensor = field(init=False)
 
@@ -83,7 +110,7 @@ class ForwardBatch:
         return ForwardBatch(self.token_ids[t:], self.positions[t:], self.seq_lens[r:],
                             self.prefix_lens[r:], [c - t for c in self.cu_seqlens[r:]],
                             self.state_slots[r:], self.kv_write_index, self.kv_read_index[r:],
-                            is_decode=False, snapshots=[(i - r, s) for i, s in self.snapshots])
+                            is_decode=False, snapshots=self.snapshots)
 
     @property
     def num_replays(self) -> int:
@@ -153,6 +180,5 @@ def build_batch(seqs: list[SeqInput], page_size: int, device: torch.device,
         kv_read_index=read,
         is_decode=not replays and all(len(s.token_ids) == 1 for s in seqs),
         refresh=refresh,
-        snapshots=[(len(replays) + i, s.snapshot_slot) for i, s in enumerate(seqs)
-                   if s.snapshot_slot],
+        snapshots=Snapshots.of(seqs, device),
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model_runner.batch import ForwardBatch
+from model_runner.batch import ForwardBatch, Snapshots
 from model_runner.compression.placement import check_head_order, owned_bundles
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import ParallelLMHead, VocabParallelEmbedding
@@ -41,11 +41,12 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
         out, pool[slots] = conv_decode(mixed, weight, pool[slots])
         return out
     out = mixed.new_empty(mixed.shape)
-    snapshots = dict(batch.snapshots)
+    snap, r = batch.snapshots, batch.num_replays
+    snapshots = dict(zip(snap.seqs, snap.slots)) if snap is not None else {}
     for i, slot in enumerate(slots.tolist()):
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        if i in snapshots:
-            pool[snapshots[i]] = conv_state_after(mixed[a:b], pool[slot], b - a - 1)
+        if i - r in snapshots:
+            pool[snapshots[i - r]] = conv_state_after(mixed[a:b], pool[slot], b - a - 1)
         out[a:b], pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
     return out
 
@@ -65,9 +66,8 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
         replayed = _recurrence(pool, slots[:r], cu[: r + 1], *args, q[:t], k[:t], v[:t], g[:t],
                                beta[:t])
         batch.refresh.merge(layer)
-        rest = _snapshot_recurrence(pool, slots[r:], [c - t for c in cu[r:]],
-                                    [(i - r, s) for i, s in batch.snapshots], *args,
-                                    q[t:], k[t:], v[t:], g[t:], beta[t:])
+        rest = _snapshot_recurrence(pool, slots[r:], [c - t for c in cu[r:]], batch.snapshots,
+                                    *args, q[t:], k[t:], v[t:], g[t:], beta[t:])
         o = torch.cat([replayed, rest])
     else:
         o = _snapshot_recurrence(pool, batch.state_slots, batch.cu_seqlens, batch.snapshots,
@@ -79,30 +79,21 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
 
 
 def _snapshot_recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: list[int],
-                         snapshots: list[tuple[int, int]], scale: float,
-                         operand_dtype: torch.dtype, q, k, v, g, beta) -> torch.Tensor:
-    """``_recurrence``, and for each (sequence i, slot s) of ``snapshots`` the state before i's
-    last token copied into ``pool[s]``: the sequences run without their snapshot sequences'
-    last tokens, the states are copied, then those last tokens run as one decode."""
-    if not snapshots:
+                         snap: Snapshots | None, scale: float, operand_dtype: torch.dtype,
+                         q, k, v, g, beta) -> torch.Tensor:
+    """``_recurrence`` of the step's own sequences, and each snapshot sequence's state before
+    its last token copied into its snapshot slot: the sequences run without those last
+    tokens, the states are copied, then the last tokens run as one decode."""
+    if snap is None:
         return _recurrence(pool, slots, cu_seqlens, scale, operand_dtype, q, k, v, g, beta)
-    seqs = [i for i, _ in snapshots]
-    last = [cu_seqlens[i + 1] - 1 for i in seqs]
-    keep = torch.ones(cu_seqlens[-1], dtype=torch.bool)
-    keep[last] = False
-    cut, short = [0], set(seqs)
-    for i in range(len(cu_seqlens) - 1):
-        cut.append(cut[-1] + cu_seqlens[i + 1] - cu_seqlens[i] - (i in short))
-    device = q.device
-    keep = keep.nonzero()[:, 0].to(device)
-    last_rows = torch.tensor(last, device=device)
+    keep, last = snap.keep_rows, snap.last_rows
     o = v.new_empty(v.shape, dtype=torch.float32)
-    o[keep] = _recurrence(pool, slots, cut, scale, operand_dtype,
+    o[keep] = _recurrence(pool, slots, snap.cut_seqlens, scale, operand_dtype,
                           *(x[keep] for x in (q, k, v, g, beta)))
-    held = slots[torch.tensor(seqs, device=slots.device)]
-    pool[torch.tensor([s for _, s in snapshots], device=pool.device)] = pool[held]
-    o[last_rows], pool[held] = delta_rule_decode(*(x[last_rows] for x in (q, k, v, g, beta)),
-                                                 pool[held], scale, operand_dtype)
+    held = slots[snap.seqs]
+    pool[snap.slots] = pool[held]
+    o[last], pool[held] = delta_rule_decode(*(x[last] for x in (q, k, v, g, beta)), pool[held],
+                                            scale, operand_dtype)
     return o
 
 
