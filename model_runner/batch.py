@@ -17,12 +17,14 @@ read-only KV.  They write no KV and return no logits; in every linear layer thei
 runs first and ``Refresh.merge`` then copies the omitted units into the restored slots, so a
 hit's own tokens in the same step already read the refreshed state.
 
-A sequence with a ``snapshot_slot`` also leaves, in that slot, the recurrent state after all but
-its last new token (a checkpoint the scheduler stores after the step: the state at a prompt's
-end minus one, with the first token sampled in the same step).  In every linear layer the
-sequence's recurrence stops one token short, the state is copied, and the last token runs on.
-A snapshot slot may be a replay's scratch slot: a layer writes the snapshot after its merge, the
-last read of the replay's state there.
+A sequence with ``snapshots`` also leaves, for each ``(cut, slot)``, the recurrent state after
+its first ``cut`` new tokens in ``slot``: checkpoints the scheduler stores after the step, at
+store points inside the chunk (the prompt's end minus one, so the first token is sampled in the
+same step; a ``--checkpoint-interval`` point, so the chunk need not end there).  In every linear
+layer the recurrence runs in rounds (``Snapshots``): round j runs each sequence's j-th segment
+between cuts, and after it the states of the sequences cut there are copied out.  A snapshot
+slot may be a replay's scratch slot: a layer writes snapshots after its merge, the last read of
+the replay's state there.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ class SeqInput:
     prefix_len: int
     page_table: list[int] | torch.Tensor  # KV page ids in position order (may run past the end)
     state_slot: int
-    snapshot_slot: int = 0  # > 0: also the state after all but the last new token, there
+    # (cut, slot): also the state after the first ``cut`` new tokens, in ``slot``; cuts rise,
+    # each in [1, len(token_ids))
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -53,31 +57,53 @@ class Refresh:
 
 
 @dataclass(slots=True)
-class Snapshots:
-    """A step's snapshots, derived once for every linear layer.  Indices count the step's own
-    sequences and their rows (those after the replays), so they hold with or without them."""
+class SnapshotRound:
+    """One round of a step with snapshots: the segments it runs, then the states it copies."""
 
-    seqs: list[int]  # sequences with a snapshot
-    slots: list[int]  # their snapshot slots
-    keep_rows: torch.Tensor  # every row but those sequences' last tokens
-    last_rows: torch.Tensor  # those sequences' last tokens
-    cut_seqlens: list[int]  # cu_seqlens with those last tokens removed
+    seqs: list[int]  # sequences with a segment in this round
+    rows: torch.Tensor  # their segments' rows, sequence-major
+    cu_seqlens: list[int]  # over those segments
+    copy_seqs: list[int]  # sequences whose state is copied out after this round
+    copy_slots: list[int]  # into these slots
+
+
+@dataclass(slots=True)
+class Snapshots:
+    """A step's snapshots, derived once for every linear layer: round j runs every sequence's
+    segment j (the tokens between its cuts j and j + 1; a sequence without cuts runs whole in
+    round 0), then copies the states of the sequences cut after it.  Indices count the step's
+    own sequences and their rows (those after the replays), so they hold with or without them."""
+
+    rounds: list[SnapshotRound]
+    seqs: list[int]  # every sequence with a snapshot, and ...
+    slots: list[int]  # ... its slot, in the order of the sequences' cuts
+    cuts: list[int]
 
     @classmethod
     def of(cls, seqs: list[SeqInput], device: torch.device) -> Snapshots | None:
-        if not any(s.snapshot_slot for s in seqs):
+        if not any(s.snapshots for s in seqs):
             return None
-        end, cut, last = 0, [0], []
+        starts = [0]
         for s in seqs:
-            end += len(s.token_ids)
-            cut.append(cut[-1] + len(s.token_ids) - (1 if s.snapshot_slot else 0))
-            if s.snapshot_slot:
-                last.append(end - 1)
-        keep = torch.ones(end, dtype=torch.bool)
-        keep[last] = False
-        return cls([i for i, s in enumerate(seqs) if s.snapshot_slot],
-                   [s.snapshot_slot for s in seqs if s.snapshot_slot],
-                   keep.nonzero()[:, 0].to(device), torch.tensor(last, device=device), cut)
+            starts.append(starts[-1] + len(s.token_ids))
+        rounds = []
+        for j in range(1 + max(len(s.snapshots) for s in seqs)):
+            members, rows, cu, copy_seqs, copy_slots = [], [], [0], [], []
+            for i, s in enumerate(seqs):
+                bounds = [0] + [c for c, _ in s.snapshots] + [len(s.token_ids)]
+                if j + 1 >= len(bounds):
+                    continue
+                members.append(i)
+                rows.append(torch.arange(starts[i] + bounds[j], starts[i] + bounds[j + 1]))
+                cu.append(cu[-1] + bounds[j + 1] - bounds[j])
+                if j < len(s.snapshots):
+                    copy_seqs.append(i)
+                    copy_slots.append(s.snapshots[j][1])
+            rounds.append(SnapshotRound(members, torch.cat(rows).to(device), cu, copy_seqs,
+                                        copy_slots))
+        pairs = [(i, c, slot) for i, s in enumerate(seqs) for c, slot in s.snapshots]
+        return cls(rounds, [i for i, _, _ in pairs], [slot for _, _, slot in pairs],
+                   [c for _, c, _ in pairs])
 
 
 @dataclass(slots=True)

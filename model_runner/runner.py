@@ -157,7 +157,7 @@ class ModelRunner:
         replay's scratch slot is allowed: ``batch``); O(num_seqs).  Whether the step's KV rows
         lie in the tables and write distinct rows ``build_batch`` checks."""
         slots = [s.state_slot for s in everything]
-        snapshots = [s.snapshot_slot for s in seqs if s.snapshot_slot]
+        snapshots = [slot for s in seqs for _, slot in s.snapshots]
         if len(set(slots)) != len(slots):
             raise ValueError(f"two sequences in one step share a state slot: {slots}")
         if len(set(snapshots)) != len(snapshots) or {s.state_slot for s in seqs} & set(snapshots):
@@ -166,8 +166,10 @@ class ModelRunner:
             if not 0 < slot < self.rc.num_state_slots:
                 raise ValueError(f"state slot {slot} outside [1, {self.rc.num_state_slots})")
         for s in everything:
-            if s.snapshot_slot and len(s.token_ids) < 2:
-                raise ValueError("a snapshot needs a sequence of at least two new tokens")
+            cuts = [0] + [c for c, _ in s.snapshots] + [len(s.token_ids)]
+            if s.snapshots and any(a >= b for a, b in zip(cuts, cuts[1:])):
+                raise ValueError(f"snapshot cuts {cuts[1:-1]} must rise inside [1, "
+                                 f"{len(s.token_ids)}), the sequence's new tokens")
             if s.prefix_len < 0:
                 raise ValueError(f"negative prefix length {s.prefix_len}")
 

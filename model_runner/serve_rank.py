@@ -151,7 +151,7 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
 
     def seq(s: SeqStep) -> SeqInput:
         return SeqInput(s.token_ids, s.prefix_len, tables.rows(s.rid), s.state_slot,
-                        s.snapshot_slot)
+                        s.snapshots)
 
     if plan.stores_before:
         runner.store_checkpoints(*_unzip(plan.stores_before))

@@ -73,9 +73,9 @@ class SeqStep:
     # positions [prefix_len + 1, ...)), and how many likeliest tokens to report with each
     logprob_targets: list[int] = field(default_factory=list)
     num_top_targets: int = 0
-    # > 0: the state before the last of ``token_ids`` is also left in this (scratch) slot, for
-    # a checkpoint store after the forward (``model_runner.batch``)
-    snapshot_slot: int = 0
+    # (cut, slot): the state after ``token_ids[:cut]`` is also left in this (scratch) slot,
+    # for a checkpoint store after the forward (``model_runner.batch``); cuts rise
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -84,7 +84,7 @@ class BatchPlan:
     safe: (1) ``stores_before`` active -> checkpoint (states of requests finished last step),
     (2) ``loads`` checkpoint -> active (hits), (3) ``refresh`` (dasc-wr replay into scratch
     slots, read-only KV), (4) forward ``seqs``, (5) ``stores_after`` active -> checkpoint (an
-    active slot here may be a sequence's ``snapshot_slot``).
+    active slot here may be one of a sequence's ``snapshots``).
 
     Row tables: a request's KV rows travel once, when it is admitted or when the tree replaces
     some of them (``tables``: every row it may ever use), and are dropped when it ends

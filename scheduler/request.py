@@ -24,7 +24,8 @@ class Req:
     slot: int = 0  # active state slot; holds the state after ``computed`` tokens
     computed: int = 0
     hit_len: int = 0  # tokens restored from the cache at admission (usage.cached_tokens)
-    pending_store: tuple[int, int] | None = None  # (boundary, checkpoint slot) of this step
+    # (boundary, checkpoint slot) of each store this step, in prompt order
+    pending_stores: list[tuple[int, int]] = field(default_factory=list)
     finish_reason: str | None = None
     arrival: int = 0  # order of add(); ties in the schedule policy go to the earlier
     num_passed: int = 0  # later arrivals that got prefill in a step where this one got none

@@ -121,7 +121,7 @@ class RequestTable:
     def check_integrity(self) -> None:
         """Every row and slot is free, cached in one node, or owned by one running request."""
         rows = [x for r in self.running for x in r.own_rows]
-        ckpts = [r.pending_store[1] for r in self.running if r.pending_store is not None]
+        ckpts = [ckpt for r in self.running for _, ckpt in r.pending_stores]
         held = [r.slot for r in self.running]
         self.cache.check_integrity(rows, ckpts, [r.node for r in self.running], [], held)
         assert len(held) == len(set(held)) and not set(held) & self.slots.free_ids()

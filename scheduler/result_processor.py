@@ -27,10 +27,9 @@ def process_result(table: RequestTable, inflight: list[InFlight],
             if r.sampling.top_logprobs:
                 r.prompt_top_ids += top_ids
                 r.prompt_top_logprobs += top_lps
-        if r.pending_store is not None:
-            end, ckpt = r.pending_store
-            r.pending_store = None
+        for end, ckpt in r.pending_stores:
             table.cache_prefix(r, end, ckpt)
+        r.pending_stores = []
         if not is_sampled:
             continue
         token, logprob = next(sampled)

@@ -2,15 +2,18 @@
 (admitting waiting requests as KV rows and slots allow), checkpoint loads for their hits,
 dasc-wr refreshes, and checkpoint stores at chunk ends.
 
-A chunk that reaches one token past a store point (the prompt's end minus one, where every
-prompt stores) runs on to its end: the ranks snapshot the state before its last token into a
-scratch slot (``SeqStep.snapshot_slot``) and the store reads that slot, so the first token is
-sampled in the step that stores, not one step later.  A request takes at most one scratch slot
-a step, shared by its dasc-wr replay and its snapshot (each linear layer writes the snapshot
-after its merge read the replay), so the ``max_running_requests`` scratch slots always suffice.
+A chunk runs through the store points inside it: the ranks snapshot the state at each into a
+scratch slot (``SeqStep.snapshots``) and the stores read those slots after the forward.  So a
+chunk that reaches one token past the prompt's end minus one (where every prompt stores) samples
+the first token in the step that stores, and a ``--checkpoint-interval`` point does not end a
+chunk.  Scratch slots: the first cut of a request uses the scratch slot paired with its active
+slot, which it shares with its dasc-wr replay (each linear layer writes snapshots after its
+merge read the replay), so one per request always exists; further cuts borrow the paired slots
+nobody in the step uses, and a chunk ends at the first cut that finds none.  A cut whose store
+finds no free checkpoint slot is dropped before the step is sent.
 
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
-``--checkpoint-admission`` (scheduler/admission.py); a prefill chunk always ends at the next one.
+``--checkpoint-admission`` (scheduler/admission.py).
 
 Prompt logprobs (echo): the cache holds states and KV, not logits, so a request that asks for
 them matches nothing and prefills its whole prompt; its boundaries still store checkpoints.
@@ -37,7 +40,7 @@ class InFlight(NamedTuple):
     num_tokens: int  # new tokens the step computes
     is_sampled: bool
     has_targets: bool  # prompt logprobs asked for this chunk
-    snapshot_slot: int  # > 0: the state before the last token is left there (a store point)
+    step: SeqStep  # as sent (its snapshots: the stores read them)
 
 
 class StepPlanner:
@@ -45,14 +48,23 @@ class StepPlanner:
         self.cfg = cfg
         self.table = table
         self.inflight: list[InFlight] = []
-        self._scratch: dict[str, int] = {}  # this step's scratch slot of each request that has one
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
 
     def schedule(self) -> BatchPlan | None:
+        """The next step; None when there is nothing to run.  An admission that fails after
+        its eviction freed rows (the hit it locked kept the rest) is tried again, so a step is
+        planned whenever the freed rows now let one run."""
+        while True:
+            free = self.table.cache.kv_pool.num_free
+            plan = self._plan_step()
+            if plan is not None or self.table.cache.kv_pool.num_free == free:
+                return plan
+
+    def _plan_step(self) -> BatchPlan | None:
         table = self.table
         plan = BatchPlan(self._next_step_id(), stores_before=table.stores_before)
-        table.stores_before, self.inflight, self._scratch = [], [], {}
+        table.stores_before, self.inflight = [], []
         budget = self.cfg.chunked_prefill_size
         for r in table.running:
             if not r.is_prefilling:
@@ -63,14 +75,15 @@ class StepPlanner:
             ckpt_locked = self._add_prefills(plan, budget)
         has_prefill = any(f.req.is_prefilling for f in self.inflight)
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
+        self._lend_scratch(plan)
         # stores are planned after every match, so they never feed this step's loads
-        for r, n, _, _, snapshot in self.inflight:
+        for f in self.inflight:
+            r = f.req
             if not r.is_prefilling:
                 continue
-            if snapshot:
-                self._plan_store(plan, r, r.computed + n - 1, snapshot)
-            else:
-                self._plan_store(plan, r, r.computed + n, r.slot)
+            f.step.snapshots = [(cut, slot) for cut, slot in f.step.snapshots
+                                if self._plan_store(plan, r, r.computed + cut, slot)]
+            self._plan_store(plan, r, r.computed + f.num_tokens, r.slot)
         for node in ckpt_locked:
             table.cache.unlock_ckpt(node)
         if not plan.seqs and not plan.stores_before:
@@ -184,28 +197,48 @@ class StepPlanner:
                             self.table.cache)
 
     def _scratch_slot(self, r: Req) -> int:
-        """The step's scratch slot of ``r`` (the module docstring says why one is enough)."""
-        slot = self._scratch.get(r.rid)
-        if slot is None:
-            slot = self._scratch[r.rid] = self.cfg.scratch_slot_base + len(self._scratch)
-        return slot
+        """The scratch slot paired with ``r``'s active slot: its replay's and its first cut's."""
+        return self.cfg.scratch_slot_base + r.slot - 1
 
     def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
-        """Prefill up to ``budget`` tokens, ending at the next boundary that still needs a
-        checkpoint, or one token past it with a snapshot there; returns the tokens taken."""
+        """Prefill up to ``budget`` tokens, cut at every store point inside that still needs
+        a checkpoint (the first cut takes the request's scratch slot, the others 0 until
+        ``_lend_scratch``); returns the tokens taken."""
         end = min(len(r.prompt), r.computed + budget)
-        snapshot = 0
-        for b in self._boundaries(r):
-            if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None:
-                if b == end - 1:
-                    snapshot = self._scratch_slot(r)
-                else:
-                    end = b
-                break
-        self._add_seq(plan, r, end, snapshot)
+        cuts = [b - r.computed for b in self._boundaries(r)
+                if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None]
+        slots = [self._scratch_slot(r)] + [0] * (len(cuts) - 1)
+        self._add_seq(plan, r, end, list(zip(cuts, slots)))
         return end - r.computed
 
-    def _add_seq(self, plan: BatchPlan, r: Req, end: int, snapshot: int = 0) -> None:
+    def _lend_scratch(self, plan: BatchPlan) -> None:
+        """Give the cuts after a request's first the scratch slots that nobody in the step
+        uses; a chunk without one for a cut ends at that cut (its own store point)."""
+        used = {self._scratch_slot(f.req) for f in self.inflight if f.step.snapshots}
+        used.update(plan.refresh_scratch)
+        base, size = self.cfg.scratch_slot_base, self.cfg.max_running_requests
+        spare = iter(sorted(set(range(base, base + size)) - used))
+        for i, f in enumerate(self.inflight):
+            snaps = f.step.snapshots
+            for j, (cut, slot) in enumerate(snaps):
+                if slot:
+                    continue
+                lent = next(spare, None)
+                if lent is None:
+                    self._truncate(plan, i, cut, snaps[:j])
+                    break
+                snaps[j] = (cut, lent)
+
+    def _truncate(self, plan: BatchPlan, i: int, num_tokens: int,
+                  snapshots: list[tuple[int, int]]) -> None:
+        """End the plan's i-th (prefill) chunk after ``num_tokens`` of its tokens."""
+        r = self.inflight[i].req
+        self.inflight.pop(i)
+        plan.seqs.pop(i)
+        self._add_seq(plan, r, r.computed + num_tokens, snapshots, at=i)
+
+    def _add_seq(self, plan: BatchPlan, r: Req, end: int,
+                 snapshots: list[tuple[int, int]] | None = None, at: int | None = None) -> None:
         sample = None
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
@@ -214,13 +247,14 @@ class StepPlanner:
             if not r.output and s.has_logit_controls:
                 sample.controls = self._controls(r)
         step = SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot, sample,
-                       snapshot_slot=snapshot)
+                       snapshots=snapshots or [])
         if r.sampling.prompt_logprobs:  # the prompt tokens after this chunk's tokens
             step.logprob_targets = r.prompt[r.computed + 1 : min(end + 1, len(r.prompt))]
             step.num_top_targets = r.sampling.top_logprobs
-        plan.seqs.append(step)
-        self.inflight.append(InFlight(r, end - r.computed, sample is not None,
-                                      bool(step.logprob_targets), snapshot))
+        at = len(plan.seqs) if at is None else at
+        plan.seqs.insert(at, step)
+        self.inflight.insert(at, InFlight(r, end - r.computed, sample is not None,
+                                          bool(step.logprob_targets), step))
 
     def _controls(self, r: Req) -> LogitControls:
         """What rank 0 keeps for the request; only ids inside the vocabulary are banned (a stop
@@ -234,12 +268,15 @@ class StepPlanner:
                              float(s.frequency_penalty), float(s.repetition_penalty),
                              s.min_tokens, banned if s.min_tokens else [], seen, s.grammar)
 
-    def _plan_store(self, plan: BatchPlan, r: Req, end: int, source: int) -> None:
-        """Store the state after prompt[:end], which the step leaves in slot ``source``."""
+    def _plan_store(self, plan: BatchPlan, r: Req, end: int, source: int) -> bool:
+        """Store the state after prompt[:end], which the step leaves in slot ``source``;
+        False when nothing is stored (not a store point, or no checkpoint slot)."""
         cache = self.table.cache
         if end not in self._boundaries(r) or cache.ckpt_at(r.prompt[:end]) is not None:
-            return
+            return False
         ckpt = cache.alloc_ckpt()
-        if ckpt is not None:
-            plan.stores_after.append((source, ckpt))
-            r.pending_store = (end, ckpt)
+        if ckpt is None:
+            return False
+        plan.stores_after.append((source, ckpt))
+        r.pending_stores.append((end, ckpt))
+        return True

@@ -112,17 +112,19 @@ class FakeRanks:
             self.num_refresh += 1
         if cfg.load_policy is not LoadPolicy.WR or cfg.refresh_window <= 0:
             assert not plan.refresh
-        # (4) forward; a snapshot slot (a scratch slot, at most one per request, shared with its
-        # replay) gets the state before the sequence's last token
+        # (4) forward; a snapshot slot (a scratch slot: only a request's own replay may share
+        # it) gets the state at its cut
         written: set[int] = set()
-        snapshots: dict[int, int] = {}  # snapshot slot -> the prefix length it holds
+        snapshots: dict[int, tuple[int, int]] = {}  # snapshot slot -> (state slot, prefix len)
+        scratch = dict(zip((x.state_slot for x in plan.refresh), plan.refresh_scratch))
         for q in plan.seqs:
-            if q.snapshot_slot:
-                assert cfg.scratch_slot_base <= q.snapshot_slot < cfg.num_state_slots
-                assert q.snapshot_slot not in snapshots and len(q.token_ids) >= 2
-                scratch = dict(zip((x.state_slot for x in plan.refresh), plan.refresh_scratch))
-                assert q.snapshot_slot not in set(plan.refresh_scratch) - {
-                    scratch.get(q.state_slot)}, "a snapshot takes another request's scratch"
+            cuts = [c for c, _ in q.snapshots]
+            assert cuts == sorted(set(cuts)) and all(0 < c < len(q.token_ids) for c in cuts)
+            for _, slot in q.snapshots:
+                assert cfg.scratch_slot_base <= slot < cfg.num_state_slots
+                assert slot not in snapshots, "two snapshots share a slot"
+                assert slot not in set(plan.refresh_scratch) - {scratch.get(q.state_slot)}, \
+                    "a snapshot takes another request's scratch"
             assert 1 <= q.state_slot < cfg.scratch_slot_base
             r = by_slot[q.state_slot]
             n, kv_rows = len(q.token_ids), self.kv_rows(q)
@@ -146,9 +148,9 @@ class FakeRanks:
             for x, h in zip(new_rows, hs[q.prefix_len :]):
                 self.row[x] = h
             self.active[q.state_slot] = state_of(full)
-            if q.snapshot_slot:
-                self.active[q.snapshot_slot] = state_of(full[:-1])
-                snapshots[q.snapshot_slot] = len(full) - 1
+            for cut, slot in q.snapshots:
+                self.active[slot] = state_of(full[: q.prefix_len + cut])
+                snapshots[slot] = (q.state_slot, q.prefix_len + cut)
         # (5) checkpoints at chunk ends on the boundary grid
         after_ckpts = [c for _, c in plan.stores_after]
         assert len(after_ckpts) == len(set(after_ckpts))
@@ -156,8 +158,7 @@ class FakeRanks:
         assert not set(after_ckpts) & {c for c, _ in plan.loads}
         for active, c in plan.stores_after:
             if active in snapshots:
-                q = next(q for q in plan.seqs if q.snapshot_slot == active)
-                r, end = by_slot[q.state_slot], snapshots[active]
+                r, end = by_slot[snapshots[active][0]], snapshots[active][1]
             else:
                 assert active in seq_slots
                 r = by_slot[active]

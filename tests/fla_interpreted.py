@@ -34,6 +34,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     raise ImportError("fla_interpreted needs TRITON_INTERPRET=1 before triton is imported")
 
 import triton.language as tl  # noqa: E402
+from runner_scenarios import snapshot_cuts  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
@@ -187,17 +188,18 @@ def greedy_decode(model_dir: str, prompts: list[list[int]], num_steps: int,
 
 
 def snapshot_step(model_dir: str, prompts: list[list[int]], through_fla: bool) -> dict:
-    """One prefill step of ``prompts`` in which each sequence also snapshots the state before
-    its last token (``SeqInput.snapshot_slot``), on the CPU path or with the CUDA branches (fla's
-    chunk kernels on the shortened sequences, its fused recurrent kernel on the last tokens);
-    returns the logits and the states of the sequences' slots and of their snapshot slots."""
+    """One prefill step of ``prompts`` in which each sequence also snapshots its states at
+    ``snapshot_cuts`` (``SeqInput.snapshots``), on the CPU path or with the CUDA branches (fla's
+    chunk kernels on each round's segments, its fused recurrent kernel on a round of single
+    tokens); returns the logits and the states of the sequences' slots and snapshot slots."""
     page_size, pages_per_seq = 4, 16
     runner = ModelRunner(RunnerConfig(
         model_dir, device="cpu", num_pages=pages_per_seq * len(prompts) + 1,
-        page_size=page_size, num_state_slots=2 * len(prompts) + 1))
+        page_size=page_size, num_state_slots=3 * len(prompts) + 1))
     n = len(prompts)
     seqs = [SeqInput(list(p), 0, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)),
-                     i + 1, snapshot_slot=n + i + 1) for i, p in enumerate(prompts)]
+                     i + 1, [(cut, n + 2 * i + j + 1) for j, cut in enumerate(snapshot_cuts(p))])
+            for i, p in enumerate(prompts)]
     if through_fla:
         with tensors_claim_cuda():
             logits = runner.forward(seqs)

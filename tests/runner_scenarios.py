@@ -28,6 +28,12 @@ CONFIGS = {
 }
 
 
+def snapshot_cuts(prompt: list[int]) -> list[int]:
+    """Where a prompt's snapshots go: a third of the way in (an interior store point, so the
+    rounds run segments of different sequences side by side) and before its last token."""
+    return sorted({c for c in (len(prompt) // 3, len(prompt) - 1) if c >= 1})
+
+
 def prompts(vocab: int, lengths=(37, 5, 20), seed=0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]

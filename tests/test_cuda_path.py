@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from random_checkpoints import make_model
-from runner_scenarios import assert_rel_close
+from runner_scenarios import assert_rel_close, snapshot_cuts
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
@@ -41,17 +41,18 @@ def test_cuda_prefill_and_decode_match_cpu(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["kda", "gdn"])
 def test_cuda_snapshot_step_matches_cpu(arch, tmp_path):
-    """A prefill step in which every sequence snapshots the state before its last token
-    (fla's chunk kernels one token short, the copy, its fused recurrent kernel on the last
-    tokens): logits, states and snapshots as on the CPU path."""
+    """A prefill step in which every sequence snapshots its states a third of the way in and
+    before its last token (fla's chunk kernels on each round's segments, the copies, its fused
+    recurrent kernel on the last tokens): logits, states and snapshots as on the CPU path."""
     make_model(arch, tmp_path)
     prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (70, 9, 2)]
     got = {}
     for device in ("cpu", "cuda"):
         runner = ModelRunner(RunnerConfig(str(tmp_path), device=device, num_pages=64,
-                                          page_size=16, num_state_slots=7))
-        seqs = [SeqInput(p, 0, [5 * i + j for j in range(5)], i + 1, snapshot_slot=i + 4)
+                                          page_size=16, num_state_slots=10))
+        seqs = [SeqInput(p, 0, [5 * i + j for j in range(5)], i + 1,
+                         [(cut, 4 + 2 * i + j) for j, cut in enumerate(snapshot_cuts(p))])
                 for i, p in enumerate(prompts)]
         logits = runner.forward(seqs).cpu()
         got[device] = (logits, runner.state.temporal.cpu(), runner.state.conv.float().cpu())

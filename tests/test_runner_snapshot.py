@@ -1,8 +1,9 @@
-"""A snapshot inside a step (``SeqInput.snapshot_slot``): the state before a sequence's last
-token, left in a scratch slot by the same forward that runs that token, equals the state a
-forward one token shorter leaves; the last token's logits and state equal those of the step
-that would have followed.  This is what lets a prompt-end checkpoint be stored in the step
-that samples the first token.
+"""Snapshots inside a step (``SeqInput.snapshots``): the state after a sequence's first
+``cut`` new tokens, left in a scratch slot by the same forward that runs on past it, equals the
+state a forward that stops there leaves; the tokens after the cut get the logits and state of
+the step that would have followed.  A cut before the last token lets a prompt-end checkpoint be
+stored in the step that samples the first token; cuts at interior store points let a chunk run
+through them.
 
 Tolerance: the two ways run the same recurrences on the same inputs, but the projections are
 GEMMs over a different number of rows, so a row may round differently: 1e-5 of the compared
@@ -52,9 +53,9 @@ def test_snapshots_in_a_mixed_step_equal_a_step_one_token_short(runner):
     runner.forward([SeqInput(b[:9], 0, tb, 2), SeqInput(c[:10], 0, tc, 3)])
     b_state, c_state = runner.read_state(2), runner.read_state(3)
 
-    logits = runner.forward([SeqInput(a, 0, ta, 1, snapshot_slot=5),
+    logits = runner.forward([SeqInput(a, 0, ta, 1, [(39, 5)]),
                              SeqInput(b[9:], 9, tb, 2),
-                             SeqInput(c[10:], 10, tc, 3, snapshot_slot=6)])
+                             SeqInput(c[10:], 10, tc, 3, [(1, 6)])])
     got = {slot: runner.read_state(slot) for slot in (1, 2, 3, 5, 6)}
 
     # the same work, one token short, then the last tokens, from copies of the states before
@@ -74,6 +75,35 @@ def test_snapshots_in_a_mixed_step_equal_a_step_one_token_short(runner):
     assert_states_close(got[2], runner.read_state(9))
     late = (got[1].temporal - got[5].temporal).abs().max()
     assert late > 1e-2 * got[5].temporal.abs().max(), "the last token must move the state"
+
+
+def test_several_cuts_per_sequence_equal_forwards_that_stop_there(runner):
+    """A step in which one prompt is cut three times (two interior store points and its end
+    minus one), another once, and a third sequence decodes: the rounds run segments of
+    different sequences side by side.  Each snapshot equals the state of a forward over the
+    prompt up to its cut; the logits and final states equal whole forwards."""
+    a, b, c = tokens(40, 6), tokens(20, 7), tokens(8, 8)
+    ta, tb, tc = list(range(0, 10)), list(range(10, 15)), list(range(20, 23))
+    runner.forward([SeqInput(c[:7], 0, tc, 3)])
+    c_state = runner.read_state(3)
+    logits = runner.forward([SeqInput(a, 0, ta, 1, [(8, 4), (16, 5), (39, 6)]),
+                             SeqInput(c[7:], 7, tc, 3),
+                             SeqInput(b, 0, tb, 2, [(10, 7)])])
+    got = {slot: runner.read_state(slot) for slot in range(1, 8)}
+
+    for slot, (prompt, cut, table) in {4: (a, 8, ta), 5: (a, 16, ta), 6: (a, 39, ta),
+                                       7: (b, 10, tb)}.items():
+        runner.forward([SeqInput(prompt[:cut], 0, table, 8)])
+        assert_states_close(got[slot], runner.read_state(8))
+    ref = runner.forward([SeqInput(a, 0, ta, 8), SeqInput(b, 0, tb, 9)])
+    assert close(logits[[0, 2]], ref)
+    assert_states_close(got[1], runner.read_state(8))
+    assert_states_close(got[2], runner.read_state(9))
+    runner.write_state(8, c_state)
+    assert close(logits[1:2], runner.forward([SeqInput(c[7:], 7, tc, 8)]))
+    assert_states_close(got[3], runner.read_state(8))
+    moved = (got[5].temporal - got[4].temporal).abs().max()
+    assert moved > 1e-2 * got[5].temporal.abs().max(), "each cut holds its own state"
 
 
 def _restore_nr(runner, prompt, table) -> None:
@@ -100,7 +130,7 @@ def test_a_snapshot_in_the_replays_scratch_slot_follows_the_refresh(runner):
     want_final = runner.read_state(2)
 
     _restore_nr(runner, prompt, table)
-    logits = runner.forward([SeqInput(suffix, len(prompt), table, 2, snapshot_slot=3)],
+    logits = runner.forward([SeqInput(suffix, len(prompt), table, 2, [(5, 3)])],
                             refresh=runner.replays(replay, scratch_slots=[3]))
     assert_states_close(runner.read_state(3), want_snapshot)
     assert_states_close(runner.read_state(2), want_final)
@@ -108,12 +138,16 @@ def test_a_snapshot_in_the_replays_scratch_slot_follows_the_refresh(runner):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=1)], "snapshot slots"),
-    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=2), SeqInput([7], 0, [1], 2)], "snapshot slots"),
-    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=3),
-      SeqInput([7, 8], 0, [1], 2, snapshot_slot=3)], "snapshot slots"),
-    ([SeqInput([5], 0, [0], 1, snapshot_slot=3)], "at least two"),
-    ([SeqInput([5, 6], 0, [0], 1, snapshot_slot=12)], "outside"),
+    ([SeqInput([5, 6], 0, [0], 1, [(1, 1)])], "snapshot slots"),
+    ([SeqInput([5, 6], 0, [0], 1, [(1, 2)]), SeqInput([7], 0, [1], 2)], "snapshot slots"),
+    ([SeqInput([5, 6], 0, [0], 1, [(1, 3)]),
+      SeqInput([7, 8], 0, [1], 2, [(1, 3)])], "snapshot slots"),
+    ([SeqInput([5, 6, 7], 0, [0], 1, [(1, 3), (2, 3)])], "snapshot slots"),
+    ([SeqInput([5], 0, [0], 1, [(1, 3)])], "must rise"),
+    ([SeqInput([5, 6], 0, [0], 1, [(0, 3)])], "must rise"),
+    ([SeqInput([5, 6, 7], 0, [0], 1, [(2, 3), (1, 4)])], "must rise"),
+    ([SeqInput([5, 6, 7], 0, [0], 1, [(1, 3), (1, 4)])], "must rise"),
+    ([SeqInput([5, 6], 0, [0], 1, [(1, 12)])], "outside"),
 ])
 def test_bad_snapshots_are_refused_before_any_state_changes(runner, bad, match):
     before = runner.state.temporal.clone(), runner.state.conv.clone()

@@ -163,18 +163,64 @@ def test_the_first_token_comes_in_the_step_that_stores_the_prompt_end(policy):
     assert len([p for p in loop.plans if p.seqs]) == 1
     (q,) = plan.seqs
     assert (q.prefix_len, len(q.token_ids)) == (0, 20) and q.sample is not None
-    assert q.snapshot_slot >= s.cfg.scratch_slot_base
+    ((cut, slot),) = q.snapshots
+    assert cut == 19 and slot >= s.cfg.scratch_slot_base
     (ckpt,) = tree_ckpts(s)
-    assert plan.stores_after == [(q.snapshot_slot, ckpt)]
+    assert plan.stores_after == [(slot, ckpt)]
     assert s.cache.ckpt_at(first[:19]) is not None
     num_plans = len(loop.plans)
     plan = run_one(loop, "b", first + prompt_of(7, seed=2), 1)
     assert len([p for p in loop.plans[num_plans:] if p.seqs]) == 1
     (q,) = plan.seqs
     assert (q.prefix_len, len(q.token_ids)) == (19, 8) and q.sample is not None
+    ((cut, slot),) = q.snapshots
+    assert cut == 7
     if policy is LoadPolicy.WR:
-        assert plan.refresh_scratch == [q.snapshot_slot]
-    assert [a for a, _ in plan.stores_after] == [q.snapshot_slot]
+        assert plan.refresh_scratch == [slot]
+    assert [a for a, _ in plan.stores_after] == [slot]
+    assert_drained(s)
+
+
+def test_a_chunk_runs_through_its_interior_store_points():
+    """--checkpoint-interval 8 and a budget that holds the whole prompt: one step computes it,
+    cuts it at 8, 16, 24 and 29 (the end minus one), samples the first token and stores all
+    four checkpoints from four distinct scratch slots (the stand-in ranks check each stored
+    state against its prefix)."""
+    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    prompt = prompt_of(30)
+    plan = run_one(loop, "a", prompt, 1)
+    assert len([p for p in loop.plans if p.seqs]) == 1
+    (q,) = plan.seqs
+    assert len(q.token_ids) == 30 and q.sample is not None
+    assert [c for c, _ in q.snapshots] == [8, 16, 24, 29]
+    slots = [x for _, x in q.snapshots]
+    assert len(set(slots)) == 4 and min(slots) >= s.cfg.scratch_slot_base
+    assert sorted(a for a, _ in plan.stores_after) == sorted(slots)
+    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 29))
+    assert s.stats.checkpoints_stored == 4
+    assert_drained(s)
+
+
+def test_a_chunk_ends_at_the_first_cut_without_a_scratch_slot():
+    """Two active slots give two scratch slots: of a prompt's five store points (8, 16, 24,
+    32, 40) the first chunk cuts two (its own scratch slot, then the idle one it borrows) and
+    ends at the third, which it stores from its active slot; the next chunk runs through the
+    other two to the end."""
+    s = make(max_running_requests=2, chunked_prefill_size=64, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    prompt = prompt_of(41)
+    run_one(loop, "a", prompt, 1)
+    first, second = [p for p in loop.plans if p.seqs]
+    (q,) = first.seqs
+    assert (q.prefix_len, len(q.token_ids), q.sample) == (0, 24, None)
+    assert [c for c, _ in q.snapshots] == [8, 16]
+    assert q.state_slot in [a for a, _ in first.stores_after]
+    (q,) = second.seqs
+    assert (q.prefix_len, len(q.token_ids)) == (24, 17) and q.sample is not None
+    assert [c for c, _ in q.snapshots] == [8, 16]
+    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 32, 40))
     assert_drained(s)
 
 
@@ -226,9 +272,10 @@ def test_consumed_checkpoint_survives_stores_planned_in_the_same_step():
     assert s.add("b", longer, SamplingParams(max_tokens=2)) is None
     plan = s.schedule()
     assert plan.loads == [(cached, plan.seqs[0].state_slot)]
-    # the chunk snapshots the new prompt-end boundary, but the only slot is being loaded
+    # the chunk runs through the new prompt-end boundary, but the only slot is being loaded:
+    # no store, so no snapshot either
     assert plan.seqs[0].prefix_len + len(plan.seqs[0].token_ids) == len(longer)
-    assert plan.seqs[0].snapshot_slot >= s.cfg.scratch_slot_base
+    assert plan.seqs[0].snapshots == []
     assert plan.stores_after == []
     assert s.cache.ckpt_at(prompt[:16]) == cached
     s.check_integrity()

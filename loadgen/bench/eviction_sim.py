@@ -3,8 +3,8 @@
 scheduler plans every step of a closed loop of C requests and stand-in ranks answer with seeded
 tokens.  The hit rate (cached / prompt tokens) and the checkpoints stored depend only on the
 order of admissions, stores and evictions, never on the model, so these are exactly the numbers
-a server reports for the same arrival order; so do the prefill chunks the steps carry (each
-store inside a prompt ends a chunk, and the rest of the prompt waits for the next step).
+a server reports for the same arrival order; so do the prefill chunks the steps carry (a chunk
+runs through the store points inside it, snapshotting the state at each).
 
     python -m loadgen.bench.eviction_sim --slots 8 16 32 --concurrency 8 --admission all reuse
 """

@@ -1,5 +1,5 @@
 """Time to a prompt's first token when its last chunk ends with a checkpoint: one forward that
-snapshots the state before the last token (``SeqInput.snapshot_slot``, what the scheduler plans
+snapshots the state before the last token (``SeqInput.snapshots``, what the scheduler plans
 now) against two forwards, the chunk one token short and then the last token (what it planned
 before).  One rank, in-process, the two forms alternating, so drift hits both alike.
 
@@ -42,7 +42,7 @@ def measure(runner: ModelRunner, prefix: list[int], chunk: list[int], reps: int)
         return runner.forward([SeqInput(chunk[-1:], start + len(chunk) - 1, table, 1)])
 
     def fused() -> torch.Tensor:
-        return runner.forward([SeqInput(chunk, start, table, 1, snapshot_slot=2)])
+        return runner.forward([SeqInput(chunk, start, table, 1, [(len(chunk) - 1, 2)])])
 
     times: dict[str, list[float]] = {"split": [], "fused": []}
     logits = {}

@@ -34,7 +34,7 @@ class StepContext:
 def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, layer: int
                ) -> torch.Tensor:
     """Causal conv over [N, C] channels, carrying each sequence's conv state in its slot (and
-    the state before its last token into its snapshot slot, ``ForwardBatch.snapshots``)."""
+    the states at its cuts into their snapshot slots, ``ForwardBatch.snapshots``)."""
     batch, pool = ctx.batch, ctx.state.conv[layer]
     slots = batch.state_slots
     if batch.is_decode:
@@ -42,11 +42,14 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
         return out
     out = mixed.new_empty(mixed.shape)
     snap, r = batch.snapshots, batch.num_replays
-    snapshots = dict(zip(snap.seqs, snap.slots)) if snap is not None else {}
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    if snap is not None:
+        for i, cut, snap_slot in zip(snap.seqs, snap.cuts, snap.slots):
+            cuts.setdefault(i + r, []).append((cut, snap_slot))
     for i, slot in enumerate(slots.tolist()):
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        if i - r in snapshots:
-            pool[snapshots[i - r]] = conv_state_after(mixed[a:b], pool[slot], b - a - 1)
+        for cut, snap_slot in cuts.get(i, ()):
+            pool[snap_slot] = conv_state_after(mixed[a:b], pool[slot], cut)
         out[a:b], pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
     return out
 
@@ -81,19 +84,18 @@ def delta_rule(q, k, v, g, beta, ctx: StepContext, layer: int, scale: float,
 def _snapshot_recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: list[int],
                          snap: Snapshots | None, scale: float, operand_dtype: torch.dtype,
                          q, k, v, g, beta) -> torch.Tensor:
-    """``_recurrence`` of the step's own sequences, and each snapshot sequence's state before
-    its last token copied into its snapshot slot: the sequences run without those last
-    tokens, the states are copied, then the last tokens run as one decode."""
+    """``_recurrence`` of the step's own sequences, with each snapshot's state copied into its
+    slot: the sequences run in rounds, segment by segment between their cuts, and after each
+    round the states of the sequences cut there are copied out (``Snapshots``)."""
     if snap is None:
         return _recurrence(pool, slots, cu_seqlens, scale, operand_dtype, q, k, v, g, beta)
-    keep, last = snap.keep_rows, snap.last_rows
     o = v.new_empty(v.shape, dtype=torch.float32)
-    o[keep] = _recurrence(pool, slots, snap.cut_seqlens, scale, operand_dtype,
-                          *(x[keep] for x in (q, k, v, g, beta)))
-    held = slots[snap.seqs]
-    pool[snap.slots] = pool[held]
-    o[last], pool[held] = delta_rule_decode(*(x[last] for x in (q, k, v, g, beta)), pool[held],
-                                            scale, operand_dtype)
+    for rnd in snap.rounds:
+        rows = rnd.rows
+        o[rows] = _recurrence(pool, slots[rnd.seqs], rnd.cu_seqlens, scale, operand_dtype,
+                              *(x[rows] for x in (q, k, v, g, beta)))
+        if rnd.copy_seqs:
+            pool[rnd.copy_slots] = pool[slots[rnd.copy_seqs]]
     return o
 
 
