@@ -60,11 +60,11 @@ class Refresh:
 class SnapshotRound:
     """One round of a step with snapshots: the segments it runs, then the states it copies."""
 
-    seqs: list[int]  # sequences with a segment in this round
+    seqs: torch.Tensor  # sequences with a segment in this round
     rows: torch.Tensor  # their segments' rows, sequence-major
     cu_seqlens: list[int]  # over those segments
-    copy_seqs: list[int]  # sequences whose state is copied out after this round
-    copy_slots: list[int]  # into these slots
+    copy_seqs: torch.Tensor  # sequences whose state is copied out after this round (maybe none)
+    copy_slots: torch.Tensor  # into these slots
 
 
 @dataclass(slots=True)
@@ -86,6 +86,9 @@ class Snapshots:
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + len(s.token_ids))
+        def index(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
         rounds = []
         for j in range(1 + max(len(s.snapshots) for s in seqs)):
             members, rows, cu, copy_seqs, copy_slots = [], [], [0], [], []
@@ -94,13 +97,13 @@ class Snapshots:
                 if j + 1 >= len(bounds):
                     continue
                 members.append(i)
-                rows.append(torch.arange(starts[i] + bounds[j], starts[i] + bounds[j + 1]))
+                rows.extend(range(starts[i] + bounds[j], starts[i] + bounds[j + 1]))
                 cu.append(cu[-1] + bounds[j + 1] - bounds[j])
                 if j < len(s.snapshots):
                     copy_seqs.append(i)
                     copy_slots.append(s.snapshots[j][1])
-            rounds.append(SnapshotRound(members, torch.cat(rows).to(device), cu, copy_seqs,
-                                        copy_slots))
+            rounds.append(SnapshotRound(index(members), index(rows), cu, index(copy_seqs),
+                                        index(copy_slots)))
         pairs = [(i, c, slot) for i, s in enumerate(seqs) for c, slot in s.snapshots]
         return cls(rounds, [i for i, _, _ in pairs], [slot for _, _, slot in pairs],
                    [c for _, c, _ in pairs])

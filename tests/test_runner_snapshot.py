@@ -158,16 +158,18 @@ def test_bad_snapshots_are_refused_before_any_state_changes(runner, bad, match):
 
 
 def test_the_snapshot_step_bench_times_both_forms_on_the_same_logits(capsys):
-    """``loadgen.bench.snapshot_step`` (a hit's suffix and a miss) reports both forms and
-    checks they agree."""
+    """``loadgen.bench.snapshot_step`` (a hit's suffix, a miss, a chunk with interior store
+    points) reports both forms and checks they agree."""
     import json
 
     from loadgen.bench import snapshot_step
 
     snapshot_step.main(["--reps", "1", "--prefix", "20", "--chunks", "2", "9"])
     snapshot_step.main(["--reps", "1", "--prefix", "0", "--chunks", "12"])
+    snapshot_step.main(["--reps", "1", "--prefix", "5", "--chunks", "20", "--interval", "8"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["prefix"], r["chunk"]) for r in rows] == [(20, 2), (20, 9), (0, 12)]
+    assert [(r["prefix"], r["chunk"], r["cuts"]) for r in rows] == [
+        (20, 2, 1), (20, 9, 1), (0, 12, 1), (5, 20, 3)]  # 5 + 20: cuts at 8, 16 and 24
     for r in rows:
         assert r["split_ms"] > 0 and r["fused_ms"] > 0 and r["logits_rel_diff"] < TOL
     with pytest.raises(SystemExit):

@@ -94,7 +94,7 @@ def _snapshot_recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: li
         rows = rnd.rows
         o[rows] = _recurrence(pool, slots[rnd.seqs], rnd.cu_seqlens, scale, operand_dtype,
                               *(x[rows] for x in (q, k, v, g, beta)))
-        if rnd.copy_seqs:
+        if len(rnd.copy_seqs):
             pool[rnd.copy_slots] = pool[slots[rnd.copy_seqs]]
     return o
 
