@@ -39,6 +39,7 @@ class SchedulerProcess:
         self.sched, self.rank, self.front = sched, rank, front
         self.step_s = self.compute_s = 0.0
         self.num_steps = 0
+        self._checked = False  # the books were checked since the last step
 
     def run(self) -> None:
         while True:
@@ -53,6 +54,7 @@ class SchedulerProcess:
             if not isinstance(result, StepResult) or result.step_id != plan.step_id:
                 raise RuntimeError(f"rank 0 answered step {plan.step_id} with {result!r}")
             outs = self.sched.process_result(result)
+            self._checked = False
             if outs:
                 ipc.send(self.front, TokenBatch(outs))
             self.step_s += time.perf_counter() - started
@@ -72,7 +74,12 @@ class SchedulerProcess:
                      self.step_s, self.compute_s, integrity)
 
     def _take_messages(self, block: bool) -> bool:
-        """Handle every waiting message; False when the server is stopping."""
+        """Handle every waiting message; False when the server is stopping.  Going idle, it
+        first proves the books balance (once per idle spell, before it waits: a request that
+        wakes the loop is planned at once, not after the check)."""
+        if block and not self._checked:
+            self.sched.check_integrity()
+            self._checked = True
         timeout = IDLE_POLL_S if block else 0.0
         while self.front.poll(timeout):
             timeout = 0.0
@@ -85,13 +92,12 @@ class SchedulerProcess:
                 self.sched.abort(msg.rid)
             elif isinstance(msg, FlushCacheReq):
                 self.sched.flush()
+                self._checked = False
                 ipc.send(self.front, FlushCacheDone(True, "cache flushed"))
             elif isinstance(msg, StatsReq):
                 ipc.send(self.front, self.stats())
             elif isinstance(msg, Shutdown):
                 return False
-        if block:
-            self.sched.check_integrity()  # idle time: prove the books balance
         return True
 
 

@@ -1,6 +1,6 @@
 """The scheduler process around the policy: it imports no torch, its prefill budget follows the
-measured rate, the flags pick the chunk budget, and its IPC connections send small frames at
-once."""
+measured rate, the flags pick the chunk budget, its IPC connections send small frames at once,
+and it checks its books when it goes idle, not when a request wakes it."""
 
 from __future__ import annotations
 
@@ -112,3 +112,54 @@ def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
     assert isinstance(ipc.recv(server), StatsReq)
     client.close()
     server.close()
+
+
+def test_the_idle_check_runs_before_waiting_not_after_a_request_arrives(monkeypatch):
+    """A real ``SchedulerProcess`` over real IPC, with rank 0 played by the test: the
+    integrity check runs once when the loop goes idle; a request that then arrives is planned
+    with no check in between, and finishing it makes the loop check again before it waits."""
+    import threading
+    import time
+
+    from scheduler import ipc
+    from scheduler.__main__ import SchedulerProcess
+    from scheduler.messages import GenerateReq, SamplingParams, Shutdown, TokenBatch
+    from scheduler.rank_messages import BatchPlan, StepResult
+    from scheduler.scheduler import Scheduler
+    from scheduler.scheduler_config import SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(max_total_tokens=64, max_running_requests=2,
+                                      num_checkpoint_slots=2, max_context_len=64, vocab_size=32))
+    checks: list[float] = []
+    real_check = sched.check_integrity
+    monkeypatch.setattr(sched, "check_integrity", lambda: (real_check(), checks.append(1)))
+    front, front_end = ipc_pair(monkeypatch)
+    rank, rank_end = ipc_pair(monkeypatch)
+    proc = SchedulerProcess(sched, rank_end, front_end)
+    loop = threading.Thread(target=proc.run, daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not checks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.6)  # past one idle poll (0.5 s): no second check while nothing happened
+        assert len(checks) == 1
+        ipc.send(front, GenerateReq("a", [3, 4, 5], SamplingParams(max_tokens=1)))
+        plan = ipc.recv(rank)
+        assert isinstance(plan, BatchPlan) and len(checks) == 1, "checked before planning"
+        ipc.send(rank, StepResult(plan.step_id, [7], 0.0, [0.0]))
+        assert isinstance(ipc.recv(front), TokenBatch)
+        while rank.poll(1.0):  # the finished request's checkpoint store, a step of its own
+            plan = ipc.recv(rank)
+            assert not plan.seqs and len(checks) == 1
+            ipc.send(rank, StepResult(plan.step_id, [], 0.0))
+        deadline = time.monotonic() + 10
+        while len(checks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(checks) == 2
+        ipc.send(front, Shutdown())
+        loop.join(10)
+        assert not loop.is_alive()
+    finally:
+        for conn in (front, front_end, rank, rank_end):
+            conn.close()
