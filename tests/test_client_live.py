@@ -175,9 +175,10 @@ def test_cli_reports_a_refused_connection(dead_url):
 def test_stream_frames_arrive_as_they_are_made(client):
     """Issue 18: before TCP_NODELAY on the engine's sockets, from a stream's second request on,
     its second token came ~40 ms after the first (a delayed ACK) and the next ~10 within
-    0.1 ms of each other.  Here the second token's gap (median over four streams) stays under
-    25 ms, and fewer than a quarter of the gaps are such bursts (< 0.2 ms); a decode step of
-    this model takes a few ms."""
+    0.1 ms of each other.  Here the second token's gap (median over four streams) stays within
+    20 ms of the median gap, and fewer than a quarter of the gaps are such bursts (< 0.2 ms).
+    Relative, because under a loaded suite a decode step of this model takes 3 to 30 ms: the
+    stall adds its ~40 ms to one gap, load stretches them all."""
     second_gaps, gaps = [], []
     for i in range(5):
         events = client.stream(ids(f"timing {i} "), max_tokens=24, ignore_eos=True,
@@ -188,5 +189,6 @@ def test_stream_frames_arrive_as_they_are_made(client):
         if i > 0:  # the first stream warms the connection up
             second_gaps.append(steps[0])
             gaps += steps
-    assert statistics.median(second_gaps) < 0.025, second_gaps
+    assert statistics.median(second_gaps) < statistics.median(gaps) + 0.020, (second_gaps,
+                                                                              sorted(gaps))
     assert sum(g < 2e-4 for g in gaps) < len(gaps) / 4, sorted(gaps)[:20]
