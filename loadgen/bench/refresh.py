@@ -6,6 +6,10 @@ so turn k hits turn k-1's prompt-end checkpoint) with the same request-order see
 flushed before each seed.  Per seed: dTTFT = mean TTFT(wr) - mean TTFT(nr), and cost per hit =
 dTTFT x requests / hits(wr), the average latency of one reconstruction event; replayed tokens
 per hit come from the server's counters (refresh_tokens / loads_wr).
+
+The nr and wr servers of a W_max run side by side (the idle one waits on a socket) and each seed
+runs on both back to back, in alternating order, so the drift of a shared machine hits both arms
+alike instead of landing between them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from dasc_server.spawn import running_server
@@ -32,23 +37,23 @@ def run(args: argparse.Namespace) -> dict:
     vocab = ModelConfig.from_dir(args.model).vocab_size
     max_len = args.context_len + args.num_turns * args.turn_len
     size = ["--checkpoint-slots", str(args.checkpoint_slots)]
-    arms = {}
+    arms: dict[tuple[float, str], dict[int, dict]] = {}
     for w in args.wmax:
-        for policy in ("nr", "wr"):
-            arm = Arm(w, args.placement, policy, args.int8)
-            flags = server_flags(args, arm, size, args.checkpoint_slots, max_len)
-            with running_server(*flags) as server:
-                per_seed = {}
-                for seed in args.seeds:
-                    requests = multi_turn(args.num_conversations, args.num_turns,
-                                          args.context_len, args.turn_len, (0, vocab), seed,
-                                          dataset_seed=args.dataset_seed)
-                    m = asyncio.run(_one(server.base_url, requests, args))
-                    per_seed[seed] = m
-                    print(f"[refresh-cost] {arm.name:<24} seed {seed:<4} hit "
+        pair = {policy: Arm(w, args.placement, policy, args.int8) for policy in ("nr", "wr")}
+        with ExitStack() as stack:
+            servers = {policy: stack.enter_context(running_server(
+                *server_flags(args, arm, size, args.checkpoint_slots, max_len)))
+                for policy, arm in pair.items()}
+            for i, seed in enumerate(args.seeds):
+                requests = multi_turn(args.num_conversations, args.num_turns, args.context_len,
+                                      args.turn_len, (0, vocab), seed,
+                                      dataset_seed=args.dataset_seed)
+                for policy in ("nr", "wr") if i % 2 == 0 else ("wr", "nr"):
+                    m = asyncio.run(_one(servers[policy].base_url, requests, args))
+                    arms.setdefault((w, policy), {})[seed] = m
+                    print(f"[refresh-cost] {pair[policy].name:<24} seed {seed:<4} hit "
                           f"{m['cache_hit_rate']:.3f}  mean TTFT {m['mean_ttft_ms']:.1f} ms  "
                           f"failed {m['failed']}", file=sys.stderr, flush=True)
-            arms[(w, policy)] = per_seed
     rows = []
     for w in args.wmax:
         nr, wr = arms[(w, "nr")], arms[(w, "wr")]

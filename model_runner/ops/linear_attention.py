@@ -58,10 +58,11 @@ def _operands(dtype: torch.dtype, q, k, v, beta):
     return tuple(t.to(dtype) for t in (q, k, v, beta))
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=64)
 def _cu_seqlens_tensor(cu_seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
     # One host-to-device copy per step, not per linear layer: every layer of a step passes the
-    # same offsets, and fla only reads them.
+    # same offsets, and fla only reads them.  A step with snapshots passes one set per round
+    # (``batch.Snapshots``, up to 1 + budget / interval of them), hence room for many.
     return torch.tensor(cu_seqlens, dtype=torch.long, device=device)
 
 
