@@ -19,7 +19,8 @@ prompt_len - 1 rather than prompt_len: a hit must leave one token to compute, so
 repeat can only hit before its last token (SGLang #21158).  Either policy keeps the checkpoint
 of a finished request (prompt + output[:-1], the other end of a turn; the scheduler stores it).
 The points are read from the tree when a chunk is planned, so they follow the tree as it
-changes; a prefill chunk ends at the next point that still lacks a checkpoint.
+changes; a prefill chunk runs through the points that still lack a checkpoint, snapshotting the
+state at each (scheduler/step_planner.py says when it ends at one instead).
 """
 
 from __future__ import annotations

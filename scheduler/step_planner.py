@@ -9,8 +9,11 @@ the first token in the step that stores, and a ``--checkpoint-interval`` point d
 chunk.  Scratch slots: the first cut of a request uses the scratch slot paired with its active
 slot, which it shares with its dasc-wr replay (each linear layer writes snapshots after its
 merge read the replay), so one per request always exists; further cuts borrow the paired slots
-nobody in the step uses, and a chunk ends at the first cut that finds none.  A cut whose store
-finds no free checkpoint slot is dropped before the step is sent.
+nobody in the step uses, and a chunk ends at the first cut that finds none.  A cut inside the
+prompt also needs a free checkpoint slot (beyond one kept for each chunk's end store): with the
+pool full the chunk ends at that point, so stores evict one at a time as they did when every
+store point ended a chunk.  A cut whose store finds no checkpoint slot is dropped before the
+step is sent.
 
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
 ``--checkpoint-admission`` (scheduler/admission.py).
@@ -50,6 +53,7 @@ class StepPlanner:
         self.inflight: list[InFlight] = []
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
+        self._spare_ckpts = 0  # free checkpoint slots this step's cuts inside prompts may take
 
     def schedule(self) -> BatchPlan | None:
         """The next step; None when there is nothing to run.  An admission that fails after
@@ -65,6 +69,7 @@ class StepPlanner:
         table = self.table
         plan = BatchPlan(self._next_step_id(), stores_before=table.stores_before)
         table.stores_before, self.inflight = [], []
+        self._spare_ckpts = table.cache.ckpt_pool.num_free  # for cuts inside prompts
         budget = self.cfg.chunked_prefill_size
         for r in table.running:
             if not r.is_prefilling:
@@ -77,13 +82,9 @@ class StepPlanner:
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
         self._lend_scratch(plan)
         # stores are planned after every match, so they never feed this step's loads
-        for f in self.inflight:
-            r = f.req
-            if not r.is_prefilling:
-                continue
-            f.step.snapshots = [(cut, slot) for cut, slot in f.step.snapshots
-                                if self._plan_store(plan, r, r.computed + cut, slot)]
-            self._plan_store(plan, r, r.computed + f.num_tokens, r.slot)
+        chunks = [i for i, f in enumerate(self.inflight) if f.req.is_prefilling]
+        for n, i in enumerate(chunks):
+            self._plan_stores(plan, i, reserve=len(chunks) - n)
         for node in ckpt_locked:
             table.cache.unlock_ckpt(node)
         if not plan.seqs and not plan.stores_before:
@@ -203,10 +204,18 @@ class StepPlanner:
     def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
         """Prefill up to ``budget`` tokens, cut at every store point inside that still needs
         a checkpoint (the first cut takes the request's scratch slot, the others 0 until
-        ``_lend_scratch``); returns the tokens taken."""
+        ``_lend_scratch``); returns the tokens taken.  A cut inside the prompt needs a free
+        checkpoint slot beyond one for each chunk's end store (``_plan_stores`` says why):
+        the chunk ends at the first that has none."""
         end = min(len(r.prompt), r.computed + budget)
         cuts = [b - r.computed for b in self._boundaries(r)
                 if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None]
+        inside = [c for c in cuts if r.computed + c < len(r.prompt) - 1]
+        self._spare_ckpts -= 1  # this chunk's end store
+        if len(inside) > max(0, self._spare_ckpts):
+            taken = max(0, self._spare_ckpts)
+            end, cuts = r.computed + inside[taken], inside[:taken]
+        self._spare_ckpts -= len([c for c in cuts if r.computed + c < len(r.prompt) - 1])
         slots = [self._scratch_slot(r)] + [0] * (len(cuts) - 1)
         self._add_seq(plan, r, end, list(zip(cuts, slots)))
         return end - r.computed
@@ -267,6 +276,27 @@ class StepPlanner:
         return LogitControls(dict(s.logit_bias), float(s.presence_penalty),
                              float(s.frequency_penalty), float(s.repetition_penalty),
                              s.min_tokens, banned if s.min_tokens else [], seen, s.grammar)
+
+    def _plan_stores(self, plan: BatchPlan, i: int, reserve: int) -> None:
+        """The stores of the plan's i-th (prefill) chunk: one per cut that gets a checkpoint
+        slot (a cut that gets none is dropped), then its end's.  A cut inside the prompt takes
+        only a free slot beyond ``reserve`` (one for the end store of this and each later
+        chunk of the step): without one, the chunk ends there and stores from its active slot.
+        So a full pool evicts for one store at a time, each after the previous one is in the
+        tree and can be chosen, as when every store point ended a chunk; evicting for several
+        checkpoints of one prompt in one step cost a multi-turn load many of its hits
+        (docs/results/serving.md, session 15)."""
+        f = self.inflight[i]
+        r, kept = f.req, []
+        for cut, slot in f.step.snapshots:
+            end = r.computed + cut
+            if end < len(r.prompt) - 1 and self.table.cache.ckpt_pool.num_free <= reserve:
+                self._truncate(plan, i, cut, kept)
+                break
+            if self._plan_store(plan, r, end, slot):
+                kept.append((cut, slot))
+        self.inflight[i].step.snapshots = kept
+        self._plan_store(plan, r, r.computed + self.inflight[i].num_tokens, r.slot)
 
     def _plan_store(self, plan: BatchPlan, r: Req, end: int, source: int) -> bool:
         """Store the state after prompt[:end], which the step leaves in slot ``source``;

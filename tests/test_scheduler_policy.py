@@ -181,49 +181,6 @@ def test_the_first_token_comes_in_the_step_that_stores_the_prompt_end(policy):
     assert_drained(s)
 
 
-def test_a_chunk_runs_through_its_interior_store_points():
-    """--checkpoint-interval 8 and a budget that holds the whole prompt: one step computes it,
-    cuts it at 8, 16, 24 and 29 (the end minus one), samples the first token and stores all
-    four checkpoints from four distinct scratch slots (the stand-in ranks check each stored
-    state against its prefix)."""
-    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
-    loop = Loop(s, random_tokens())
-    prompt = prompt_of(30)
-    plan = run_one(loop, "a", prompt, 1)
-    assert len([p for p in loop.plans if p.seqs]) == 1
-    (q,) = plan.seqs
-    assert len(q.token_ids) == 30 and q.sample is not None
-    assert [c for c, _ in q.snapshots] == [8, 16, 24, 29]
-    slots = [x for _, x in q.snapshots]
-    assert len(set(slots)) == 4 and min(slots) >= s.cfg.scratch_slot_base
-    assert sorted(a for a, _ in plan.stores_after) == sorted(slots)
-    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 29))
-    assert s.stats.checkpoints_stored == 4
-    assert_drained(s)
-
-
-def test_a_chunk_ends_at_the_first_cut_without_a_scratch_slot():
-    """Two active slots give two scratch slots: of a prompt's five store points (8, 16, 24,
-    32, 40) the first chunk cuts two (its own scratch slot, then the idle one it borrows) and
-    ends at the third, which it stores from its active slot; the next chunk runs through the
-    other two to the end."""
-    s = make(max_running_requests=2, chunked_prefill_size=64, cache_finished=False,
-             park_finished=False)
-    loop = Loop(s, random_tokens())
-    prompt = prompt_of(41)
-    run_one(loop, "a", prompt, 1)
-    first, second = [p for p in loop.plans if p.seqs]
-    (q,) = first.seqs
-    assert (q.prefix_len, len(q.token_ids), q.sample) == (0, 24, None)
-    assert [c for c, _ in q.snapshots] == [8, 16]
-    assert q.state_slot in [a for a, _ in first.stores_after]
-    (q,) = second.seqs
-    assert (q.prefix_len, len(q.token_ids)) == (24, 17) and q.sample is not None
-    assert [c for c, _ in q.snapshots] == [8, 16]
-    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 32, 40))
-    assert_drained(s)
-
-
 def test_nr_plans_no_refresh():
     s = make(load_policy=LoadPolicy.NR, refresh_window=8)
     loop = Loop(s, random_tokens())

@@ -1,0 +1,68 @@
+"""Store points inside a prefill chunk (scheduler/step_planner.py): a chunk runs through them,
+snapshotting the state at each into a scratch slot, unless it runs out of scratch slots or of
+free checkpoint slots, and then it ends at the first point it cannot cut.  Every plan runs on
+the FakeRanks of tests/fake_ranks.py, which checks each stored state against its prefix."""
+
+from __future__ import annotations
+
+from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens, run_one
+
+
+def test_a_chunk_runs_through_its_interior_store_points():
+    """--checkpoint-interval 8 and a budget that holds the whole prompt: one step computes it,
+    cuts it at 8, 16, 24 and 29 (the end minus one), samples the first token and stores all
+    four checkpoints from four distinct scratch slots (the stand-in ranks check each stored
+    state against its prefix)."""
+    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    prompt = prompt_of(30)
+    plan = run_one(loop, "a", prompt, 1)
+    assert len([p for p in loop.plans if p.seqs]) == 1
+    (q,) = plan.seqs
+    assert len(q.token_ids) == 30 and q.sample is not None
+    assert [c for c, _ in q.snapshots] == [8, 16, 24, 29]
+    slots = [x for _, x in q.snapshots]
+    assert len(set(slots)) == 4 and min(slots) >= s.cfg.scratch_slot_base
+    assert sorted(a for a, _ in plan.stores_after) == sorted(slots)
+    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 29))
+    assert s.stats.checkpoints_stored == 4
+    assert_drained(s)
+
+
+def test_a_chunk_ends_at_the_first_cut_without_a_scratch_slot():
+    """Two active slots give two scratch slots: of a prompt's five store points (8, 16, 24,
+    32, 40) the first chunk cuts two (its own scratch slot, then the idle one it borrows) and
+    ends at the third, which it stores from its active slot; the next chunk runs through the
+    other two to the end."""
+    s = make(max_running_requests=2, chunked_prefill_size=64, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    prompt = prompt_of(41)
+    run_one(loop, "a", prompt, 1)
+    first, second = [p for p in loop.plans if p.seqs]
+    (q,) = first.seqs
+    assert (q.prefix_len, len(q.token_ids), q.sample) == (0, 24, None)
+    assert [c for c, _ in q.snapshots] == [8, 16]
+    assert q.state_slot in [a for a, _ in first.stores_after]
+    (q,) = second.seqs
+    assert (q.prefix_len, len(q.token_ids)) == (24, 17) and q.sample is not None
+    assert [c for c, _ in q.snapshots] == [8, 16]
+    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 32, 40))
+    assert_drained(s)
+
+
+def test_cuts_inside_a_prompt_take_only_free_checkpoint_slots():
+    """Three checkpoint slots: the first chunk keeps one for its end store and cuts at the two
+    store points the other two free slots cover (8, 16), then ends at the third (24).  With the
+    pool full, the next chunk ends at the next point (32) rather than evict for a cut, and the
+    last runs to the end; its prompt-end store may evict, as before."""
+    s = make(num_checkpoint_slots=3, chunked_prefill_size=64, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    run_one(loop, "a", prompt_of(41), 1)
+    chunks = [q for p in loop.plans for q in p.seqs]
+    assert [(q.prefix_len, len(q.token_ids)) for q in chunks] == [(0, 24), (24, 8), (32, 9)]
+    assert [[c for c, _ in q.snapshots] for q in chunks] == [[8, 16], [], [8]]
+    assert chunks[-1].sample is not None
+    assert s.cache.num_cached_ckpts == 3
+    assert_drained(s)
