@@ -9,11 +9,16 @@ the first token in the step that stores, and a ``--checkpoint-interval`` point d
 chunk.  Scratch slots: the first cut of a request uses the scratch slot paired with its active
 slot, which it shares with its dasc-wr replay (each linear layer writes snapshots after its
 merge read the replay), so one per request always exists; further cuts borrow the paired slots
-nobody in the step uses, and a chunk ends at the first cut that finds none.  A cut inside the
-prompt also needs a free checkpoint slot (beyond one kept for each chunk's end store): with the
-pool full the chunk ends at that point, so stores evict one at a time as they did when every
-store point ended a chunk.  A cut whose store finds no checkpoint slot is dropped before the
-step is sent.
+nobody in the step uses, and a chunk ends at the first cut that finds none.
+
+A cut inside the prompt (not its end minus one) is made only for a prompt that prefills alone
+(nothing else prefilling or waiting) and into a free checkpoint slot (beyond one kept for each
+chunk's end store); otherwise the chunk ends at that point, as when every store point ended a
+chunk.  Several prompts then advance point by point, breadth first, and a full pool evicts for
+one store at a time, each after the previous one is in the tree.  Cutting through every point
+of several prompts (depth first, evicting for several stores in one step) cost the multi-turn
+eviction sim up to 15 points of hit rate under pressure (docs/results/serving.md, session 15).
+A cut whose store finds no checkpoint slot is dropped before the step is sent.
 
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
 ``--checkpoint-admission`` (scheduler/admission.py).
@@ -204,14 +209,18 @@ class StepPlanner:
     def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
         """Prefill up to ``budget`` tokens, cut at every store point inside that still needs
         a checkpoint (the first cut takes the request's scratch slot, the others 0 until
-        ``_lend_scratch``); returns the tokens taken.  A cut inside the prompt needs a free
-        checkpoint slot beyond one for each chunk's end store (``_plan_stores`` says why):
-        the chunk ends at the first that has none."""
+        ``_lend_scratch``); returns the tokens taken.  A cut inside the prompt needs the prompt
+        to be the only one prefilling or waiting, and a free checkpoint slot beyond one for
+        each chunk's end store (``_plan_stores`` says why); the chunk ends at the first point
+        without them."""
         end = min(len(r.prompt), r.computed + budget)
         cuts = [b - r.computed for b in self._boundaries(r)
                 if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None]
         inside = [c for c in cuts if r.computed + c < len(r.prompt) - 1]
         self._spare_ckpts -= 1  # this chunk's end store
+        table = self.table
+        if table.waiting or sum(x.is_prefilling for x in table.running) > 1:
+            self._spare_ckpts = min(self._spare_ckpts, 0)  # not the only prompt: breadth first
         if len(inside) > max(0, self._spare_ckpts):
             taken = max(0, self._spare_ckpts)
             end, cuts = r.computed + inside[taken], inside[:taken]

@@ -1,6 +1,7 @@
-"""Store points inside a prefill chunk (scheduler/step_planner.py): a chunk runs through them,
-snapshotting the state at each into a scratch slot, unless it runs out of scratch slots or of
-free checkpoint slots, and then it ends at the first point it cannot cut.  Every plan runs on
+"""Store points inside a prefill chunk (scheduler/step_planner.py): the chunk of a prompt that
+prefills alone runs through them, snapshotting the state at each into a scratch slot, unless it
+runs out of scratch slots or of free checkpoint slots, and then it ends at the first point it
+cannot cut; prompts that prefill together advance point by point.  Every plan runs on
 the FakeRanks of tests/fake_ranks.py, which checks each stored state against its prefix."""
 
 from __future__ import annotations
@@ -65,4 +66,20 @@ def test_cuts_inside_a_prompt_take_only_free_checkpoint_slots():
     assert [[c for c, _ in q.snapshots] for q in chunks] == [[8, 16], [], [8]]
     assert chunks[-1].sample is not None
     assert s.cache.num_cached_ckpts == 3
+    assert_drained(s)
+
+
+def test_prompts_that_prefill_together_advance_point_by_point():
+    """Two 30-token prompts at once: each chunk ends at the next store point (8, 16, 24), both
+    prompts in every step, and only the last chunks cut at the end minus one (29)."""
+    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
+    assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
+    loop.run()
+    steps = [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
+              for q in p.seqs] for p in loop.plans if p.seqs]
+    assert steps == [[(r, start, 8, []) for r in "ab"] for start in (0, 8, 16)] + [
+        [(r, 24, 6, [5]) for r in "ab"]]
+    assert all(s.cache.ckpt_at(p[:end]) is not None for p in (a, b) for end in (8, 16, 24, 29))
     assert_drained(s)
