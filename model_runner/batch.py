@@ -75,9 +75,7 @@ class Snapshots:
     own sequences and their rows (those after the replays), so they hold with or without them."""
 
     rounds: list[SnapshotRound]
-    seqs: list[int]  # every sequence with a snapshot, and ...
-    slots: list[int]  # ... its slot, in the order of the sequences' cuts
-    cuts: list[int]
+    cuts: list[list[tuple[int, int]]]  # each sequence's (cut, slot) pairs
 
     @classmethod
     def of(cls, seqs: list[SeqInput], device: torch.device) -> Snapshots | None:
@@ -86,6 +84,7 @@ class Snapshots:
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + len(s.token_ids))
+
         def index(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=device)
 
@@ -104,9 +103,7 @@ class Snapshots:
                     copy_slots.append(s.snapshots[j][1])
             rounds.append(SnapshotRound(index(members), index(rows), cu, index(copy_seqs),
                                         index(copy_slots)))
-        pairs = [(i, c, slot) for i, s in enumerate(seqs) for c, slot in s.snapshots]
-        return cls(rounds, [i for i, _, _ in pairs], [slot for _, _, slot in pairs],
-                   [c for _, c, _ in pairs])
+        return cls(rounds, [s.snapshots for s in seqs])
 
 
 @dataclass(slots=True)

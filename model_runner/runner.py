@@ -166,10 +166,11 @@ class ModelRunner:
             if not 0 < slot < self.rc.num_state_slots:
                 raise ValueError(f"state slot {slot} outside [1, {self.rc.num_state_slots})")
         for s in everything:
-            cuts = [0] + [c for c, _ in s.snapshots] + [len(s.token_ids)]
-            if s.snapshots and any(a >= b for a, b in zip(cuts, cuts[1:])):
-                raise ValueError(f"snapshot cuts {cuts[1:-1]} must rise inside [1, "
-                                 f"{len(s.token_ids)}), the sequence's new tokens")
+            if s.snapshots:
+                cuts = [0] + [c for c, _ in s.snapshots] + [len(s.token_ids)]
+                if any(a >= b for a, b in zip(cuts, cuts[1:])):
+                    raise ValueError(f"snapshot cuts {cuts[1:-1]} must rise inside [1, "
+                                     f"{len(s.token_ids)}), the sequence's new tokens")
             if s.prefix_len < 0:
                 raise ValueError(f"negative prefix length {s.prefix_len}")
 

@@ -2,23 +2,22 @@
 (admitting waiting requests as KV rows and slots allow), checkpoint loads for their hits,
 dasc-wr refreshes, and checkpoint stores at chunk ends.
 
-A chunk runs through the store points inside it: the ranks snapshot the state at each into a
-scratch slot (``SeqStep.snapshots``) and the stores read those slots after the forward.  So a
-chunk that reaches one token past the prompt's end minus one (where every prompt stores) samples
-the first token in the step that stores, and a ``--checkpoint-interval`` point does not end a
-chunk.  Scratch slots: the first cut of a request uses the scratch slot paired with its active
-slot, which it shares with its dasc-wr replay (each linear layer writes snapshots after its
-merge read the replay), so one per request always exists; further cuts borrow the paired slots
-nobody in the step uses, and a chunk ends at the first cut that finds none.
+A chunk runs through the prompt's end minus one (where every prompt stores): the ranks snapshot
+the state there into a scratch slot (``SeqStep.snapshots``) and the store reads that slot after
+the forward, so the first token is sampled in the step that stores.  The scratch slot is the one
+paired with the request's active slot, shared with its dasc-wr replay (each linear layer writes
+snapshots after its merge read the replay), so one per request always exists.
 
-A cut inside the prompt (not its end minus one) is made only for a prompt that prefills alone
-(nothing else prefilling or waiting) and into a free checkpoint slot (beyond one kept for each
-chunk's end store); otherwise the chunk ends at that point, as when every store point ended a
-chunk.  Several prompts then advance point by point, breadth first, and a full pool evicts for
-one store at a time, each after the previous one is in the tree.  Cutting through every point
-of several prompts (depth first, evicting for several stores in one step) cost the multi-turn
-eviction sim up to 15 points of hit rate under pressure (docs/results/serving.md, session 15).
-A cut whose store finds no checkpoint slot is dropped before the step is sent.
+A prompt that prefills alone (nothing else prefilling or waiting) also runs through the store
+points inside it (``--checkpoint-interval``), each cut into a free checkpoint slot (one is kept
+for the chunk's end store) and a scratch slot (its own, then the ones paired with the other
+active slots: nobody else in the step uses one); the chunk ends at the first point without
+them.  When several prompts prefill, each chunk ends at its next point: they advance point by
+point, breadth first, and a full pool evicts for one store at a time, each after the previous
+one is in the tree.  Cutting through every point of several prompts (depth first, evicting for
+several stores in one step) cost the multi-turn eviction sim up to 15 points of hit rate under
+pressure (docs/results/serving.md, session 15).  A cut whose store finds no checkpoint slot is
+dropped before the step is sent.
 
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
 ``--checkpoint-admission`` (scheduler/admission.py).
@@ -58,7 +57,7 @@ class StepPlanner:
         self.inflight: list[InFlight] = []
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
-        self._spare_ckpts = 0  # free checkpoint slots this step's cuts inside prompts may take
+        self._cut_room = 0  # this step's cuts inside a prompt: > 0 only for a lone prefill
 
     def schedule(self) -> BatchPlan | None:
         """The next step; None when there is nothing to run.  An admission that fails after
@@ -74,7 +73,8 @@ class StepPlanner:
         table = self.table
         plan = BatchPlan(self._next_step_id(), stores_before=table.stores_before)
         table.stores_before, self.inflight = [], []
-        self._spare_ckpts = table.cache.ckpt_pool.num_free  # for cuts inside prompts
+        alone = len(table.waiting) + sum(r.is_prefilling for r in table.running) == 1
+        self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1) if alone else 0
         budget = self.cfg.chunked_prefill_size
         for r in table.running:
             if not r.is_prefilling:
@@ -85,11 +85,14 @@ class StepPlanner:
             ckpt_locked = self._add_prefills(plan, budget)
         has_prefill = any(f.req.is_prefilling for f in self.inflight)
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
-        self._lend_scratch(plan)
         # stores are planned after every match, so they never feed this step's loads
-        chunks = [i for i, f in enumerate(self.inflight) if f.req.is_prefilling]
-        for n, i in enumerate(chunks):
-            self._plan_stores(plan, i, reserve=len(chunks) - n)
+        for f in self.inflight:
+            r = f.req
+            if not r.is_prefilling:
+                continue
+            f.step.snapshots = [(cut, slot) for cut, slot in f.step.snapshots
+                                if self._plan_store(plan, r, r.computed + cut, slot)]
+            self._plan_store(plan, r, r.computed + f.num_tokens, r.slot)
         for node in ckpt_locked:
             table.cache.unlock_ckpt(node)
         if not plan.seqs and not plan.stores_before:
@@ -207,56 +210,24 @@ class StepPlanner:
         return self.cfg.scratch_slot_base + r.slot - 1
 
     def _add_chunk(self, plan: BatchPlan, r: Req, budget: int) -> int:
-        """Prefill up to ``budget`` tokens, cut at every store point inside that still needs
-        a checkpoint (the first cut takes the request's scratch slot, the others 0 until
-        ``_lend_scratch``); returns the tokens taken.  A cut inside the prompt needs the prompt
-        to be the only one prefilling or waiting, and a free checkpoint slot beyond one for
-        each chunk's end store (``_plan_stores`` says why); the chunk ends at the first point
-        without them."""
+        """Prefill up to ``budget`` tokens, cut at the store points inside that still need a
+        checkpoint, as far as the module docstring allows; returns the tokens taken."""
         end = min(len(r.prompt), r.computed + budget)
         cuts = [b - r.computed for b in self._boundaries(r)
                 if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None]
         inside = [c for c in cuts if r.computed + c < len(r.prompt) - 1]
-        self._spare_ckpts -= 1  # this chunk's end store
-        table = self.table
-        if table.waiting or sum(x.is_prefilling for x in table.running) > 1:
-            self._spare_ckpts = min(self._spare_ckpts, 0)  # not the only prompt: breadth first
-        if len(inside) > max(0, self._spare_ckpts):
-            taken = max(0, self._spare_ckpts)
-            end, cuts = r.computed + inside[taken], inside[:taken]
-        self._spare_ckpts -= len([c for c in cuts if r.computed + c < len(r.prompt) - 1])
-        slots = [self._scratch_slot(r)] + [0] * (len(cuts) - 1)
+        if len(inside) > self._cut_room:
+            end, cuts = r.computed + inside[self._cut_room], inside[: self._cut_room]
+        num_scratch = self.cfg.max_running_requests
+        if len(cuts) > num_scratch:
+            end, cuts = r.computed + cuts[num_scratch], cuts[:num_scratch]
+        own, base = self._scratch_slot(r), self.cfg.scratch_slot_base
+        slots = [own] + [x for x in range(base, base + num_scratch) if x != own]
         self._add_seq(plan, r, end, list(zip(cuts, slots)))
         return end - r.computed
 
-    def _lend_scratch(self, plan: BatchPlan) -> None:
-        """Give the cuts after a request's first the scratch slots that nobody in the step
-        uses; a chunk without one for a cut ends at that cut (its own store point)."""
-        used = {self._scratch_slot(f.req) for f in self.inflight if f.step.snapshots}
-        used.update(plan.refresh_scratch)
-        base, size = self.cfg.scratch_slot_base, self.cfg.max_running_requests
-        spare = iter(sorted(set(range(base, base + size)) - used))
-        for i, f in enumerate(self.inflight):
-            snaps = f.step.snapshots
-            for j, (cut, slot) in enumerate(snaps):
-                if slot:
-                    continue
-                lent = next(spare, None)
-                if lent is None:
-                    self._truncate(plan, i, cut, snaps[:j])
-                    break
-                snaps[j] = (cut, lent)
-
-    def _truncate(self, plan: BatchPlan, i: int, num_tokens: int,
-                  snapshots: list[tuple[int, int]]) -> None:
-        """End the plan's i-th (prefill) chunk after ``num_tokens`` of its tokens."""
-        r = self.inflight[i].req
-        self.inflight.pop(i)
-        plan.seqs.pop(i)
-        self._add_seq(plan, r, r.computed + num_tokens, snapshots, at=i)
-
     def _add_seq(self, plan: BatchPlan, r: Req, end: int,
-                 snapshots: list[tuple[int, int]] | None = None, at: int | None = None) -> None:
+                 snapshots: list[tuple[int, int]] | None = None) -> None:
         sample = None
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
@@ -269,10 +240,9 @@ class StepPlanner:
         if r.sampling.prompt_logprobs:  # the prompt tokens after this chunk's tokens
             step.logprob_targets = r.prompt[r.computed + 1 : min(end + 1, len(r.prompt))]
             step.num_top_targets = r.sampling.top_logprobs
-        at = len(plan.seqs) if at is None else at
-        plan.seqs.insert(at, step)
-        self.inflight.insert(at, InFlight(r, end - r.computed, sample is not None,
-                                          bool(step.logprob_targets), step))
+        plan.seqs.append(step)
+        self.inflight.append(InFlight(r, end - r.computed, sample is not None,
+                                      bool(step.logprob_targets), step))
 
     def _controls(self, r: Req) -> LogitControls:
         """What rank 0 keeps for the request; only ids inside the vocabulary are banned (a stop
@@ -285,27 +255,6 @@ class StepPlanner:
         return LogitControls(dict(s.logit_bias), float(s.presence_penalty),
                              float(s.frequency_penalty), float(s.repetition_penalty),
                              s.min_tokens, banned if s.min_tokens else [], seen, s.grammar)
-
-    def _plan_stores(self, plan: BatchPlan, i: int, reserve: int) -> None:
-        """The stores of the plan's i-th (prefill) chunk: one per cut that gets a checkpoint
-        slot (a cut that gets none is dropped), then its end's.  A cut inside the prompt takes
-        only a free slot beyond ``reserve`` (one for the end store of this and each later
-        chunk of the step): without one, the chunk ends there and stores from its active slot.
-        So a full pool evicts for one store at a time, each after the previous one is in the
-        tree and can be chosen, as when every store point ended a chunk; evicting for several
-        checkpoints of one prompt in one step cost a multi-turn load many of its hits
-        (docs/results/serving.md, session 15)."""
-        f = self.inflight[i]
-        r, kept = f.req, []
-        for cut, slot in f.step.snapshots:
-            end = r.computed + cut
-            if end < len(r.prompt) - 1 and self.table.cache.ckpt_pool.num_free <= reserve:
-                self._truncate(plan, i, cut, kept)
-                break
-            if self._plan_store(plan, r, end, slot):
-                kept.append((cut, slot))
-        self.inflight[i].step.snapshots = kept
-        self._plan_store(plan, r, r.computed + self.inflight[i].num_tokens, r.slot)
 
     def _plan_store(self, plan: BatchPlan, r: Req, end: int, source: int) -> bool:
         """Store the state after prompt[:end], which the step leaves in slot ``source``;

@@ -41,14 +41,10 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
         out, pool[slots] = conv_decode(mixed, weight, pool[slots])
         return out
     out = mixed.new_empty(mixed.shape)
-    snap, r = batch.snapshots, batch.num_replays
-    cuts: dict[int, list[tuple[int, int]]] = {}
-    if snap is not None:
-        for i, cut, snap_slot in zip(snap.seqs, snap.cuts, snap.slots):
-            cuts.setdefault(i + r, []).append((cut, snap_slot))
+    snap, r = batch.snapshots, batch.num_replays  # replays lead the batch and have no cuts
     for i, slot in enumerate(slots.tolist()):
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        for cut, snap_slot in cuts.get(i, ()):
+        for cut, snap_slot in snap.cuts[i - r] if snap is not None and i >= r else ():
             pool[snap_slot] = conv_state_after(mixed[a:b], pool[slot], cut)
         out[a:b], pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
     return out
