@@ -107,6 +107,36 @@ class Snapshots:
 
 
 @dataclass(slots=True)
+class SingleQueries:
+    """A step's one-token sequences, for attention as one padded batch over a row table (a
+    decode step that is not static, the decodes and one-token hits of a mixed step)."""
+
+    seqs: list[int]
+    rows: torch.Tensor  # [S] their query rows
+    table: torch.Tensor  # [S, C] KV rows of positions [0, C); columns [lens, C) repeat row 0
+    lens: torch.Tensor  # [S] valid columns
+
+    # padding a short context to the longest one costs what attention over it costs: pad only
+    # while the table holds at most this many times the rows it must read
+    MAX_PADDING = 2.0
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> SingleQueries | None:
+        cu = batch.cu_seqlens
+        seqs = [i for i in range(batch.num_seqs) if cu[i + 1] - cu[i] == 1]
+        if not seqs:
+            return None
+        reads = [batch.kv_read_index[i] for i in seqs]
+        lens = [len(r) for r in reads]
+        if len(seqs) * max(lens) > cls.MAX_PADDING * sum(lens):
+            return None
+        device = reads[0].device
+        table = torch.nn.utils.rnn.pad_sequence(reads, batch_first=True, padding_value=0)
+        return cls(seqs, torch.tensor([cu[i] for i in seqs], dtype=torch.long, device=device),
+                   table, torch.tensor(lens, dtype=torch.long, device=device))
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
@@ -123,6 +153,7 @@ class ForwardBatch:
     snapshots: Snapshots | None = None  # over the sequences after the replays
     # [B - num_replays] row of each (non-replay) sequence's last token
     last_token_index: torch.Tensor = field(init=False)
+    _singles: SingleQueries | None | bool = field(init=False, default=False)  # False: not yet
 
     def __post_init__(self) -> None:
         self.last_token_index = torch.tensor(self.cu_seqlens[self.num_replays + 1 :],
@@ -137,6 +168,14 @@ class ForwardBatch:
                             self.prefix_lens[r:], [c - t for c in self.cu_seqlens[r:]],
                             self.state_slots[r:], self.kv_write_index, self.kv_read_index[r:],
                             is_decode=False, snapshots=self.snapshots)
+
+    @property
+    def single_queries(self) -> SingleQueries | None:
+        """The one-token sequences as one padded batch (``SingleQueries``), built once a step;
+        None where there are none or padding would cost too much."""
+        if self._singles is False:
+            self._singles = SingleQueries.of(self)
+        return self._singles
 
     @property
     def num_replays(self) -> int:

@@ -136,10 +136,20 @@ def _sdpa_table(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
 
 def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expand, scale: float
                  ) -> torch.Tensor:
-    """Run ``causal_attention`` for each sequence; ``expand(rows) -> (k, v)`` reads its cache."""
-    outs = []
-    for i, rows in enumerate(batch.kv_read_index):
+    """``causal_attention`` for each sequence; ``expand(rows) -> (k, v)`` reads its cache.  The
+    one-token sequences attend together over a padded row table (``batch.single_queries``)."""
+    singles = batch.single_queries
+    longer = range(batch.num_seqs)
+    parts = []
+    if singles is not None:
+        parts.append((singles.rows, table_decode_attention(
+            singles.table, singles.lens, q[singles.rows], cache, expand, scale)))
+        longer = sorted(set(longer) - set(singles.seqs))
+    for i in longer:
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        k, v = expand(cache[rows])
-        outs.append(causal_attention(q[a:b], k, v, batch.prefix_lens[i], scale))
-    return torch.cat(outs)
+        k, v = expand(cache[batch.kv_read_index[i]])
+        parts.append((slice(a, b), causal_attention(q[a:b], k, v, batch.prefix_lens[i], scale)))
+    out = q.new_empty(*q.shape[:2], parts[0][1].shape[-1])
+    for rows, part in parts:
+        out[rows] = part
+    return out

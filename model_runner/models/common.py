@@ -16,7 +16,7 @@ from model_runner.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from model_runner.layers.mlp import DenseMLP, SparseMoE
 from model_runner.layers.norm import RMSNorm
 from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
-from model_runner.ops.short_conv import conv_decode, conv_prefill, conv_state_after
+from model_runner.ops.short_conv import conv_decode, conv_varlen
 from model_runner.parallel import TPGroup
 from model_runner.pools import KVPool, StatePool
 
@@ -40,13 +40,13 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
     if batch.is_decode:
         out, pool[slots] = conv_decode(mixed, weight, pool[slots])
         return out
-    out = mixed.new_empty(mixed.shape)
     snap, r = batch.snapshots, batch.num_replays  # replays lead the batch and have no cuts
-    for i, slot in enumerate(slots.tolist()):
-        a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        for cut, snap_slot in snap.cuts[i - r] if snap is not None and i >= r else ():
-            pool[snap_slot] = conv_state_after(mixed[a:b], pool[slot], cut)
-        out[a:b], pool[slot] = conv_prefill(mixed[a:b], weight, pool[slot])
+    cuts = [(r + i, cut, slot) for i, pairs in enumerate(snap.cuts) for cut, slot in pairs
+            ] if snap is not None else []
+    out, pool[slots], at_cuts = conv_varlen(mixed, weight, pool[slots], batch.cu_seqlens,
+                                            [(i, cut) for i, cut, _ in cuts])
+    if cuts:  # after the slots: a snapshot may go into a replay's scratch slot
+        pool[[slot for _, _, slot in cuts]] = at_cuts
     return out
 
 

@@ -147,9 +147,14 @@ class MLAttention(nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads, cfg.v_head_dim)
         index = torch.tensor([cu[i] for i in singles], device=q.device)
         q_abs = absorb_query(q[index], w_uk)  # [S, H, kv_lora + rope]
-        o_lat = torch.cat([latent_attention(q_abs[j, None], cache[batch.kv_read_index[i]][None],
-                                            cfg.kv_lora_rank, self.scale)
-                           for j, i in enumerate(singles)])  # [S, H, kv_lora]
+        table = batch.single_queries  # one padded batch, or one attention per sequence
+        if table is not None:
+            o_lat = latent_attention(q_abs, cache[table.table], cfg.kv_lora_rank, self.scale,
+                                     table.lens)
+        else:
+            o_lat = torch.cat([latent_attention(q_abs[j, None], cache[batch.kv_read_index[i]][None],
+                                                cfg.kv_lora_rank, self.scale)
+                               for j, i in enumerate(singles)])  # [S, H, kv_lora]
         out[index] = up_project_values(o_lat, w_uv)
         for i in range(batch.num_seqs):
             a, b = cu[i], cu[i + 1]

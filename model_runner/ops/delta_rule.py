@@ -14,6 +14,8 @@ Both are differentiable, so the training script uses them too.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -126,31 +128,134 @@ def chunk_delta_rule(
     g: [B, T, H] (per head) or [B, T, H, K] (per channel); beta: [B, T, H];
     initial_state: [B, H, K, V] or None.  Returns (o [B, T, H, V] FP32, final state FP32).
 
-    Everything but the state hand-off is batched over heads and chunks; the hand-off writes
-    into a preallocated output and updates one state in place.
+    Everything but the state hand-off is batched over heads and chunks (``_chunk_factors``);
+    the hand-off writes into a preallocated output and updates one state in place.
     """
-    per_channel = g.dim() == 4
-    if chunk_size is None:
-        chunk_size = 16 if per_channel else 64
-    batch, seq_len, num_k_heads, k_dim = k.shape
-    num_heads, v_dim = v.shape[2], v.shape[3]
-    ratio = num_heads // num_k_heads
+    chunk_size = chunk_size or default_chunk_size(g.dim() == 4)
+    batch, seq_len = k.shape[:2]
+    num_heads, k_dim, v_dim = v.shape[2], k.shape[3], v.shape[3]
     pad = (-seq_len) % chunk_size
     num_chunks = (seq_len + pad) // chunk_size
 
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B, H, N, C, ...] FP32
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B, N, C, H, ...] FP32
         x = x.float()
         if pad:  # k = v = 0, beta = 0, g = 0 at the end leave the state untouched
             x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-        x = x.reshape(batch, num_chunks, chunk_size, x.shape[2], *x.shape[3:])
-        return x.movedim(3, 1).contiguous()
+        return x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
 
-    q, k, v, beta, g = chunked(q), chunked(k), chunked(v), chunked(beta), chunked(g)
+    factors = _chunk_factors(*(chunked(x) for x in (q, k, v, g, beta)), scale)
+    state = (initial_state.float().clone() if initial_state is not None
+             else q.new_zeros(batch, num_heads, k_dim, v_dim, dtype=torch.float32))
+    o = q.new_empty(num_chunks, batch * num_heads, chunk_size, v_dim, dtype=torch.float32)
+    flat = state.view(batch * num_heads, k_dim, v_dim)
+    # training differentiates through this: the state then advances out of place
+    in_place = not (torch.is_grad_enabled() and any(
+        x.requires_grad for x in (*factors, flat)))
+    for n in range(num_chunks):  # chunk n of [B, H, N, ...] as [B*H, ...]
+        o[n], flat = _hand_off(flat, [x[:, :, n].reshape(batch * num_heads, *x.shape[3:])
+                                      for x in factors], in_place)
+    state = flat.view(batch, num_heads, k_dim, v_dim)
+    o = o.view(num_chunks, batch, num_heads, chunk_size, v_dim).permute(1, 0, 3, 2, 4)
+    return o.reshape(batch, num_chunks * chunk_size, num_heads, v_dim)[:, :seq_len], state
+
+
+def default_chunk_size(per_channel: bool) -> int:
+    """Tokens per chunk: 16 for a per-channel (KDA) log-decay, 64 for a per-head (GDN) one (the
+    per-channel form holds [C, C, K]-sized decay products)."""
+    return 16 if per_channel else 64
+
+
+def varlen_chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    cu_seqlens: list[int],
+    scale: float,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_delta_rule`` of packed sequences of any lengths, all in one pass.
+
+    q, k: [N, Hk, K]; v: [N, H, V]; g: [N, H(, K)]; beta: [N, H]; states: [B, H, K, V];
+    sequence i holds rows [cu_seqlens[i], cu_seqlens[i + 1]).  Returns (o [N, H, V] FP32,
+    final states [B, H, K, V] FP32).
+
+    Each sequence is cut into zero-padded chunks and every chunk of every sequence gets its
+    factors in one batch.  The hand-off then runs in rounds: round j advances every sequence
+    that has a j-th chunk.  Chunks are laid out round by round, sequences by falling chunk count
+    within a round, so round j's chunks and states are leading slices: views, no gathers.
+    """
+    order, active, offsets, dest = _packing(tuple(cu_seqlens), chunk_size)
+    num_chunks, num_heads, k_dim, v_dim = offsets[-1], v.shape[1], k.shape[2], v.shape[2]
+    dest = dest.to(q.device)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:  # [N, H, ...] -> [M, 1, C, H, ...] FP32
+        out = x.new_zeros(num_chunks * chunk_size, *x.shape[1:], dtype=torch.float32)
+        out[dest] = x.float()  # zero padding leaves the state untouched (as chunk_delta_rule)
+        return out.view(num_chunks, 1, chunk_size, *x.shape[1:])
+
+    factors = [x.reshape(num_chunks * num_heads, *x.shape[3:])
+               for x in _chunk_factors(*(packed(x) for x in (q, k, v, g, beta)), scale)]
+    state = states.float()[order].contiguous()
+    flat = state.view(-1, k_dim, v_dim)
+    o = q.new_empty(num_chunks * num_heads, chunk_size, v_dim, dtype=torch.float32)
+    for j, count in enumerate(active):
+        rows = slice(offsets[j] * num_heads, (offsets[j] + count) * num_heads)
+        o[rows], _ = _hand_off(flat[: count * num_heads], [x[rows] for x in factors], True)
+    finals = torch.empty_like(state)
+    finals[order] = state
+    o = o.view(num_chunks, num_heads, chunk_size, v_dim).transpose(1, 2)
+    return o.reshape(num_chunks * chunk_size, num_heads, v_dim)[dest], finals
+
+
+@lru_cache(maxsize=16)
+def _packing(cu_seqlens: tuple[int, ...], chunk_size: int
+             ) -> tuple[list[int], list[int], list[int], torch.Tensor]:
+    """``varlen_chunk_delta_rule``'s layout, the same in every linear layer of a step: (the
+    sequences by falling chunk count, how many take part in each round, where each round's
+    chunks start (and the total at the end), the packed row of every token)."""
+    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    counts = [-(-n // chunk_size) for n in lens]
+    order = sorted(range(len(lens)), key=lambda i: -counts[i])  # stable: ties keep their order
+    active = [sum(1 for c in counts if c > j) for j in range(max(counts))]
+    offsets = [0]
+    for a in active:
+        offsets.append(offsets[-1] + a)
+    rank = torch.empty(len(lens), dtype=torch.long)
+    rank[order] = torch.arange(len(lens))
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    pos = torch.arange(cu_seqlens[-1]) - torch.tensor(cu_seqlens[:-1])[seq]
+    chunk = torch.tensor(offsets[:-1])[pos // chunk_size] + rank[seq]
+    return order, active, offsets, chunk * chunk_size + pos % chunk_size
+
+
+def _hand_off(flat: torch.Tensor, factors: list[torch.Tensor], in_place: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of each state in ``flat`` [BH, K, V]: (its output [BH, C, V], the state
+    after it, ``flat`` itself when ``in_place``)."""
+    u, w, qk, q_decayed, k_tail_t, state_decay = factors
+    v_new = torch.baddbmm(u, w, flat, alpha=-1.0)  # u - w S  [BH, C, V]
+    o = torch.baddbmm(torch.bmm(q_decayed, flat), qk, v_new)
+    if in_place:
+        return o, flat.mul_(state_decay).baddbmm_(k_tail_t, v_new)
+    return o, torch.baddbmm(flat * state_decay, k_tail_t, v_new)
+
+
+def _chunk_factors(q, k, v, g, beta, scale: float) -> tuple[torch.Tensor, ...]:
+    """What the hand-off needs of each chunk, every chunk at once.  Inputs [B, N, C, H, ...]
+    FP32 (q, k with Hk key heads); returns (u, w, qk, q_decayed, k_tail^T, state_decay), each
+    [B, H, N, ...]: with S the state entering the chunk, v_new = u - w S, the chunk's output
+    q_decayed S + qk v_new, and the state after it S * state_decay + k_tail^T v_new."""
+    per_channel = g.dim() == 5
+    batch, num_chunks, chunk_size, num_k_heads = k.shape[:4]
+    num_heads = v.shape[3]
+    ratio = num_heads // num_k_heads
+    q, k, v, g, beta = (x.movedim(3, 1).contiguous() for x in (q, k, v, g, beta))
     g_cum = g.cumsum(dim=3)  # [B, H, N, C(, K)]
     idx = torch.arange(chunk_size, device=q.device)
     causal = idx[:, None] >= idx[None, :]  # [C, C], i attends j <= i
-    state = (initial_state.float().clone() if initial_state is not None
-             else q.new_zeros(batch, num_heads, k_dim, v_dim))
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # [B, Hk, r, ...] -> [B, H, ...]
         return x.reshape(batch, num_heads, *x.shape[3:])
@@ -202,22 +307,4 @@ def chunk_delta_rule(
     qk = qk.masked_fill_(~causal, 0.0)
     k_tail_t = k_tail.transpose(-1, -2)
 
-    o = q.new_empty(num_chunks, batch * num_heads, chunk_size, v_dim)  # chunk-major
-    flat = state.view(batch * num_heads, k_dim, v_dim)
-
-    def at(x: torch.Tensor, n: int) -> torch.Tensor:  # chunk n of [B, H, N, ...] as [B*H, ...]
-        return x[:, :, n].reshape(batch * num_heads, *x.shape[3:])
-
-    # training differentiates through this: the state then advances out of place
-    in_place = not (torch.is_grad_enabled() and any(
-        x.requires_grad for x in (u, w, qk, q_decayed, k_tail_t, state_decay, flat)))
-    for n in range(num_chunks):
-        v_new = torch.baddbmm(at(u, n), at(w, n), flat, alpha=-1.0)  # u - w S  [BH, C, V]
-        o[n] = torch.baddbmm(torch.bmm(at(q_decayed, n), flat), at(qk, n), v_new)
-        if in_place:
-            flat.mul_(at(state_decay, n)).baddbmm_(at(k_tail_t, n), v_new)
-        else:
-            flat = torch.baddbmm(flat * at(state_decay, n), at(k_tail_t, n), v_new)
-    state = flat.view(batch, num_heads, k_dim, v_dim)
-    o = o.view(num_chunks, batch, num_heads, chunk_size, v_dim).permute(1, 0, 3, 2, 4)
-    return o.reshape(batch, num_chunks * chunk_size, num_heads, v_dim)[:, :seq_len], state
+    return u, w, qk, q_decayed, k_tail_t, state_decay

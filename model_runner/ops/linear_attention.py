@@ -1,6 +1,7 @@
 """One interface for the delta-rule recurrence, chosen by device at run time.
 
-CPU: ``chunk_delta_rule`` per sequence for prefill, ``decode_step`` for decode (torch).
+CPU: ``varlen_chunk_delta_rule`` for prefill, all sequences in one pass, and ``decode_step`` for
+decode and for the one-token sequences of a mixed step (torch).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
 lazily, so this module imports on machines without a GPU driver.
 
@@ -24,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from model_runner.ops.delta_rule import chunk_delta_rule, decode_step
+from model_runner.ops.delta_rule import decode_step, default_chunk_size, varlen_chunk_delta_rule
 
 
 def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float,
@@ -34,13 +35,33 @@ def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: f
     if q.is_cuda:
         return _fla_prefill(*_operands(operand_dtype, q, k, v, beta), g, states, cu_seqlens,
                             scale)
+    return _cpu_prefill(q, k, v, g, beta, states, cu_seqlens, scale)
+
+
+def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
+    """Every sequence in one pass: one-token sequences (decodes in a mixed step) by the decode
+    update, batched; the rest by ``varlen_chunk_delta_rule``, batched."""
+    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    longer = [i for i, n in enumerate(lens) if n > 1]
+    if len(longer) == len(lens):
+        return varlen_chunk_delta_rule(q, k, v, g, beta, states, cu_seqlens, scale,
+                                       default_chunk_size(g.dim() == 3))
+    ones = [i for i, n in enumerate(lens) if n == 1]
+    index = torch.tensor(ones, dtype=torch.long, device=q.device)
+    rows = torch.tensor([cu_seqlens[i] for i in ones], dtype=torch.long, device=q.device)
     o = v.new_empty(v.shape, dtype=torch.float32)
     finals = torch.empty_like(states, dtype=torch.float32)
-    for i in range(len(cu_seqlens) - 1):
-        a, b = cu_seqlens[i], cu_seqlens[i + 1]
-        o[a:b], finals[i] = (x[0] for x in chunk_delta_rule(
-            q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], beta[None, a:b],
-            states[i : i + 1], scale))
+    o[rows], finals[index] = decode_step(*(x[rows] for x in (q, k, v, g, beta)),
+                                         states[index].float(), scale)
+    if longer:
+        index = torch.tensor(longer, dtype=torch.long, device=q.device)
+        rows = torch.cat([torch.arange(cu_seqlens[i], cu_seqlens[i + 1]) for i in longer])
+        cu = [0]
+        for i in longer:
+            cu.append(cu[-1] + lens[i])
+        o[rows], finals[index] = varlen_chunk_delta_rule(
+            *(x[rows] for x in (q, k, v, g, beta)), states[index], cu, scale,
+            default_chunk_size(g.dim() == 3))
     return o, finals
 
 

@@ -7,6 +7,8 @@ zero state reproduces the zero-padded convolution of a fresh sequence.  SiLU fol
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -27,12 +29,50 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
     return F.silu(out.to(weight.dtype)).to(x.dtype), ext[n:].t().to(state.dtype)
 
 
-def conv_state_after(x: torch.Tensor, state: torch.Tensor, n: int) -> torch.Tensor:
-    """The state ``conv_prefill(x[:n], ..., state)`` would leave, bit for bit: the last
-    (kernel - 1) rows of ``[state ; x[:n]]``."""
-    width = state.shape[1]
-    ext = torch.cat([state.t().float(), x[max(0, n - width) : n].float()])
-    return ext[ext.shape[0] - width :].t().to(state.dtype)
+def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                cu_seqlens: list[int], cuts: list[tuple[int, int]] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``conv_prefill`` of packed sequences in one pass: sequence i is rows
+    [cu_seqlens[i], cu_seqlens[i + 1]) of x [N, C], its state ``states[i]`` [C, kernel - 1].
+    Returns (silu(out) [N, C], new states [B, C, kernel - 1], and for each ``(i, n)`` of
+    ``cuts`` the state sequence i has after its first n tokens [len(cuts), C, kernel - 1]).
+
+    Every sequence's ``[state ; x]`` sits in one buffer, so the taps are ``kernel`` gathers over
+    all tokens; the states are plain copies of rows, bit for bit what a split prefill leaves."""
+    width, channels = states.shape[2], x.shape[1]
+    state_rows, x_rows, taps, final_rows = _conv_layout(tuple(cu_seqlens), width, x.device)
+    ext = x.new_empty(cu_seqlens[-1] + len(states) * width, channels, dtype=torch.float32)
+    ext[state_rows.view(-1)] = states.transpose(1, 2).reshape(-1, channels).float()
+    ext[x_rows] = x.float()
+    w = weight.float()
+    out = ext[taps[0]] * w[:, 0]
+    for j in range(1, width + 1):
+        out.addcmul_(ext[taps[j]], w[:, j])
+
+    def states_at(rows: torch.Tensor) -> torch.Tensor:  # [S, width] -> [S, C, width]
+        return ext[rows].transpose(1, 2).to(states.dtype)
+
+    cut_rows = state_rows[[i for i, _ in cuts]] + torch.tensor(
+        [n for _, n in cuts], dtype=torch.long, device=x.device).view(-1, 1)
+    return (F.silu(out.to(weight.dtype)).to(x.dtype), states_at(final_rows),
+            states_at(cut_rows))
+
+
+@lru_cache(maxsize=16)
+def _conv_layout(cu_seqlens: tuple[int, ...], width: int, device: torch.device
+                 ) -> tuple[torch.Tensor, ...]:
+    """Rows of ``conv_varlen``'s buffer, sequence i's ``[state ; x]`` after sequence i - 1's:
+    (its state rows [B, width], the tokens' rows [N], tap j of every token [width + 1, N], the
+    rows of each sequence's last ``width`` entries [B, width])."""
+    num_seqs = len(cu_seqlens) - 1
+    lens = torch.tensor(cu_seqlens[1:]) - torch.tensor(cu_seqlens[:-1])
+    base = torch.tensor(cu_seqlens[:-1]) + torch.arange(num_seqs) * width
+    seq = torch.repeat_interleave(torch.arange(num_seqs), lens)
+    start = base[seq] + torch.arange(cu_seqlens[-1]) - torch.tensor(cu_seqlens[:-1])[seq]
+    offsets = torch.arange(width)
+    taps = start[None] + torch.arange(width + 1)[:, None]
+    rows = base[:, None] + offsets, start + width, taps, (base + lens)[:, None] + offsets
+    return tuple(t.to(device) for t in rows)
 
 
 def conv_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
