@@ -56,20 +56,28 @@ def test_chunked_matches_recurrence(per_channel, seq_len, chunk):
     _close(s, s_ref)
 
 
+@pytest.mark.parametrize("gva", [False, True])
 @pytest.mark.parametrize("reset", [None, 5, 15])
-def test_per_channel_factorised_and_exact_forms(reset):
+def test_per_channel_factorised_and_exact_forms(reset, gva):
     """Mild decays take the factorised intra-chunk form; a reset (log-decay -2 * FACTOR_LIMIT
-    at one token) pushes its chunk past the limit and the call takes the exact [C, C, K] form.
-    Both equal the recurrence; the result does not depend on the form."""
+    at one token of one head) pushes that head's chunk past the limit, and that chunk alone
+    takes the exact [C, C, K] form.  Both equal the recurrence, with GVA key heads too, and
+    the gradients stay finite (the factorised products of the steep chunk are clamped)."""
     q, k, v, g, beta, h0 = _inputs(1, 40, 2, 16, 8, per_channel=True, seed=5)
     g = g * 0.05  # total log-decay per 16-token chunk stays far above -FACTOR_LIMIT
     assert (-g.sum(1)).max() < FACTOR_LIMIT
     if reset is not None:
-        g[:, reset, 0, :3] = -2 * FACTOR_LIMIT
-    o_ref, s_ref = recurrent_delta_rule(q, k, v, g, beta, h0, 0.25)
+        g[:, reset, 1, :3] = -2 * FACTOR_LIMIT  # value head 1: key head 0 under GVA
+    if gva:  # one key head serves both value heads
+        q, k = q[:, :, :1], k[:, :, :1]
+    qe, ke = (x.expand(-1, -1, 2, -1) for x in (q, k))
+    o_ref, s_ref = recurrent_delta_rule(qe, ke, v, g, beta, h0, 0.25)
+    v = v.clone().requires_grad_()
     o, s = chunk_delta_rule(q, k, v, g, beta, h0, 0.25)
-    _close(o, o_ref)
-    _close(s, s_ref)
+    _close(o.detach(), o_ref)
+    _close(s.detach(), s_ref)
+    (o.sum() + s.sum()).backward()
+    assert torch.isfinite(v.grad).all()
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

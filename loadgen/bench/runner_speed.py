@@ -1,7 +1,8 @@
 """Prefill throughput and decode step time of the runner (run as one rank or under torchrun).
 
     python -m loadgen.bench.runner_speed [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
-        [--dtype float32|bfloat16] [--cuda-graph] [--profile 20]
+        [--dtype float32|bfloat16] [--cuda-graph] [--mixed-chunks 64 --mixed-decodes 16]
+        [--profile 20]
     torchrun --standalone --nproc-per-node 2 -m loadgen.bench.runner_speed ...
 
 Rank 0 prints one JSON line for the machine (torch's CPU capability, whether the CPU has native
@@ -45,6 +46,8 @@ def main() -> None:
     p.add_argument("--mixed-chunks", type=int, nargs="*", default=[], metavar="C",
                    help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
                         "of another sequence, as a serving step that mixes them")
+    p.add_argument("--mixed-decodes", type=int, default=1, metavar="B",
+                   help="decoding sequences beside each --mixed-chunks prefill chunk")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the top N operators of one prefill, or of one step of the "
                         "first --mixed-chunks size (torch profiler)")
@@ -57,7 +60,9 @@ def main() -> None:
     page = 16
     if any(not 0 < c <= args.prompt_len for c in args.mixed_chunks):
         p.error("--mixed-chunks must be in [1, --prompt-len]")
-    max_batch = max(*args.decode_batch, 2 if args.mixed_chunks else 1)
+    if args.mixed_decodes < 1:
+        p.error("--mixed-decodes must be at least 1")
+    max_batch = max(*args.decode_batch, args.mixed_decodes + 1 if args.mixed_chunks else 1)
     per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
                       num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1,
@@ -113,22 +118,27 @@ def main() -> None:
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
                decode_path=decode_path, step_ms=1000 * statistics.median(steps))
     for chunk in args.mixed_chunks:
-        # sequence 1 decodes at its context; sequence 2 (its own slot) prefills `chunk` tokens
-        decode = SeqInput([7], len(short) + args.decode_steps, tables[0], 1)
+        # B sequences decode at their contexts; another (its own slot) prefills `chunk` tokens
+        decodes = [SeqInput([7], len(short) + args.decode_steps, tables[i], i + 1)
+                   for i in range(args.mixed_decodes)]
+        b = args.mixed_decodes
+        step = [*decodes, SeqInput(prompt[:chunk], 0, tables[b], b + 1)]
+        if b > max(args.decode_batch):  # contexts the decode phase did not write
+            runner.forward([SeqInput(short, 0, tables[i], i + 1) for i in range(b)])
         steps = []
         for _ in range(args.repeats):
             tp.barrier()
             start = time.perf_counter()
-            runner.forward([decode, SeqInput(prompt[:chunk], 0, tables[1], 2)])
+            runner.forward(step)
             sync(device)
             steps.append(time.perf_counter() - start)
         report(tp, kind="mixed", tp_size=tp.size, device=str(device), chunk=chunk,
-               step_ms=1000 * statistics.median(steps))
+               decodes=b, step_ms=1000 * statistics.median(steps))
         if args.profile and tp.is_first and chunk == args.mixed_chunks[0]:
             from torch.profiler import profile
 
             with profile() as prof:
-                runner.forward([decode, SeqInput(prompt[:chunk], 0, tables[1], 2)])
+                runner.forward(step)
             print(prof.key_averages().table(sort_by="self_cpu_time_total",
                                             row_limit=args.profile), flush=True)
     shutdown_tp_group(tp)

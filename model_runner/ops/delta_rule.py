@@ -107,7 +107,8 @@ def recurrent_delta_rule(
 
 # Per-channel decay is factorised within a chunk, exp(G_i - G_j) = exp(G_i) * exp(-G_j), which
 # needs exp(-G_j) finite: a chunk's total log-decay must stay above -FACTOR_LIMIT (e^60 ~ 1e26).
-# Chunks beyond it (a state reset, extreme gates) take the exact [C, C, K] decay form.
+# The chunks beyond it (a state reset, extreme gates) take the exact [C, C, K] decay form, each
+# on its own: one steep chunk no longer sends every chunk of the pass down the slow form.
 FACTOR_LIMIT = 60.0
 
 
@@ -270,16 +271,20 @@ def _chunk_factors(q, k, v, g, beta, scale: float) -> tuple[torch.Tensor, ...]:
         q_decayed = heads(qg * e_g)
         k_decayed = heads(kg * beta_r * e_g)  # k_beta * exp(G)
         k_tail = heads(kg * (g_cum_r[..., -1:, :] - g_cum_r).exp())  # k * exp(G_last - G)
-        if -g_cum[..., -1, :].min().item() <= FACTOR_LIMIT:
-            k_inv = heads(kg * (-g_cum_r).exp())
-            kk = k_decayed @ k_inv.transpose(-1, -2)
-            qk = q_decayed @ k_inv.transpose(-1, -2)
-        else:
-            diff = g_cum[..., :, None, :] - g_cum[..., None, :, :]
-            decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()  # [B,H,N,C,C,K]
-            k_full, q_full = (heads(x.expand(*split, -1, -1, -1)) for x in (kg, qg))
-            kk = torch.einsum("...ic,...jc,...ijc->...ij", k_full * beta[..., None], k_full, decay)
-            qk = torch.einsum("...ic,...jc,...ijc->...ij", q_full, k_full, decay)
+        # exp(-G) clamped to stay finite (and its gradient with it): a chunk past the limit
+        # gets wrong but finite factorised products, replaced by its exact form below
+        k_inv = heads(kg * (-g_cum_r).clamp(max=FACTOR_LIMIT).exp())
+        kk = k_decayed @ k_inv.transpose(-1, -2)
+        qk = q_decayed @ k_inv.transpose(-1, -2)
+        steep = -g_cum[..., -1, :].amin(dim=-1) > FACTOR_LIMIT  # [B, H, N]
+        if steep.any():  # those chunks alone: the exact [C, C, K] decay form
+            b, h, n = steep.nonzero(as_tuple=True)
+            diff = g_cum[b, h, n][:, :, None, :] - g_cum[b, h, n][:, None, :, :]
+            decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()  # [P, C, C, K]
+            k_p, q_p = k[b, h // ratio, n], q[b, h // ratio, n] * scale  # [P, C, K]
+            kk[b, h, n] = torch.einsum("pic,pjc,pijc->pij", k_p * beta[b, h, n][..., None], k_p,
+                                       decay)
+            qk[b, h, n] = torch.einsum("pic,pjc,pijc->pij", q_p, k_p, decay)
         state_decay = g_cum[:, :, :, -1].exp()[..., None]  # [B, H, N, K, 1]
     else:
         diff = g_cum[..., :, None] - g_cum[..., None, :]
