@@ -60,9 +60,9 @@ def test_chunked_matches_recurrence(per_channel, seq_len, chunk):
 @pytest.mark.parametrize("reset", [None, 5, 15])
 def test_per_channel_factorised_and_exact_forms(reset, gva):
     """Mild decays take the factorised intra-chunk form; a reset (log-decay -2 * FACTOR_LIMIT
-    at one token of one head) pushes that head's chunk past the limit, and that chunk alone
-    takes the exact [C, C, K] form.  Both equal the recurrence, with GVA key heads too, and
-    the gradients stay finite (the factorised products of the steep chunk are clamped)."""
+    at one token in three channels of one head) pushes those channels of that chunk past the
+    limit, and they alone take the exact form.  Both equal the recurrence, with GVA key heads
+    too, and the gradients stay finite (the steep channels' factorised products are clamped)."""
     q, k, v, g, beta, h0 = _inputs(1, 40, 2, 16, 8, per_channel=True, seed=5)
     g = g * 0.05  # total log-decay per 16-token chunk stays far above -FACTOR_LIMIT
     assert (-g.sum(1)).max() < FACTOR_LIMIT

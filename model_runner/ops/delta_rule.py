@@ -107,8 +107,8 @@ def recurrent_delta_rule(
 
 # Per-channel decay is factorised within a chunk, exp(G_i - G_j) = exp(G_i) * exp(-G_j), which
 # needs exp(-G_j) finite: a chunk's total log-decay must stay above -FACTOR_LIMIT (e^60 ~ 1e26).
-# The chunks beyond it (a state reset, extreme gates) take the exact [C, C, K] decay form, each
-# on its own: one steep chunk no longer sends every chunk of the pass down the slow form.
+# The channels beyond it in a chunk (a state reset, fast-forgetting units) take the exact form,
+# each on its own: a chunk's other channels keep the factorised products.
 FACTOR_LIMIT = 60.0
 
 
@@ -232,6 +232,20 @@ def _packing(cu_seqlens: tuple[int, ...], chunk_size: int
     return order, active, offsets, chunk * chunk_size + pos % chunk_size
 
 
+def _add_steep_channels(kk, qk, steep, g_cum, q, k, beta, ratio: int, causal) -> None:
+    """Add the exact-form terms sum over channels c of ``exp(G_ic - G_jc)`` k_ic (k_jc or q_jc)
+    of the steep (chunk, head, channel) triples to kk and qk [B, H, N, C, C]: one [C, C] decay
+    per triple, so the cost follows the few fast-forgetting channels, not whole chunks."""
+    b, h, n, c = steep[..., 0, :].nonzero(as_tuple=True)  # [P] each
+    g_p = g_cum[b, h, n, :, c]  # [P, C]
+    decay = (g_p[:, :, None] - g_p[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_p, q_p = k[b, h // ratio, n, :, c], q[b, h // ratio, n, :, c]  # [P, C]
+    k_j = k_p[:, None, :] * decay  # [P, C (i), C (j)]
+    index = (b * kk.shape[1] + h) * kk.shape[2] + n
+    kk.view(-1, *kk.shape[3:]).index_add_(0, index, (k_p * beta[b, h, n])[:, :, None] * k_j)
+    qk.view(-1, *qk.shape[3:]).index_add_(0, index, q_p[:, :, None] * k_j)
+
+
 def _hand_off(flat: torch.Tensor, factors: list[torch.Tensor], in_place: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of each state in ``flat`` [BH, K, V]: (its output [BH, C, V], the state
@@ -271,20 +285,14 @@ def _chunk_factors(q, k, v, g, beta, scale: float) -> tuple[torch.Tensor, ...]:
         q_decayed = heads(qg * e_g)
         k_decayed = heads(kg * beta_r * e_g)  # k_beta * exp(G)
         k_tail = heads(kg * (g_cum_r[..., -1:, :] - g_cum_r).exp())  # k * exp(G_last - G)
-        # exp(-G) clamped to stay finite (and its gradient with it): a chunk past the limit
-        # gets wrong but finite factorised products, replaced by its exact form below
-        k_inv = heads(kg * (-g_cum_r).clamp(max=FACTOR_LIMIT).exp())
+        # steep channels (a chunk's log-decay past -FACTOR_LIMIT) leave the factorised products
+        # (exp(-G) clamped so they stay finite, gradients too, then zeroed) for the exact form
+        steep = -g_cum[..., -1:, :] > FACTOR_LIMIT  # [B, H, N, 1, K]
+        k_inv = heads(kg * (-g_cum_r).clamp(max=FACTOR_LIMIT).exp()).masked_fill(steep, 0.0)
         kk = k_decayed @ k_inv.transpose(-1, -2)
         qk = q_decayed @ k_inv.transpose(-1, -2)
-        steep = -g_cum[..., -1, :].amin(dim=-1) > FACTOR_LIMIT  # [B, H, N]
-        if steep.any():  # those chunks alone: the exact [C, C, K] decay form
-            b, h, n = steep.nonzero(as_tuple=True)
-            diff = g_cum[b, h, n][:, :, None, :] - g_cum[b, h, n][:, None, :, :]
-            decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()  # [P, C, C, K]
-            k_p, q_p = k[b, h // ratio, n], q[b, h // ratio, n] * scale  # [P, C, K]
-            kk[b, h, n] = torch.einsum("pic,pjc,pijc->pij", k_p * beta[b, h, n][..., None], k_p,
-                                       decay)
-            qk[b, h, n] = torch.einsum("pic,pjc,pijc->pij", q_p, k_p, decay)
+        if steep.any():
+            _add_steep_channels(kk, qk, steep, g_cum, q * scale, k, beta, ratio, causal)
         state_decay = g_cum[:, :, :, -1].exp()[..., None]  # [B, H, N, K, 1]
     else:
         diff = g_cum[..., :, None] - g_cum[..., None, :]
