@@ -207,8 +207,8 @@ def varlen_chunk_delta_rule(
         o[rows], _ = _hand_off(flat[: count * num_heads], [x[rows] for x in factors], True)
     finals = torch.empty_like(state)
     finals[order] = state
-    o = o.view(num_chunks, num_heads, chunk_size, v_dim).transpose(1, 2)
-    return o.reshape(num_chunks * chunk_size, num_heads, v_dim)[dest], finals
+    o = o.view(num_chunks, num_heads, chunk_size, v_dim)
+    return o[dest // chunk_size, :, dest % chunk_size], finals  # one gather, [N, H, V]
 
 
 @lru_cache(maxsize=16)

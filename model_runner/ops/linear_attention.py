@@ -1,7 +1,8 @@
 """One interface for the delta-rule recurrence, chosen by device at run time.
 
-CPU: ``varlen_chunk_delta_rule`` for prefill, all sequences in one pass, and ``decode_step`` for
-decode and for the one-token sequences of a mixed step (torch).
+CPU: ``varlen_chunk_delta_rule`` for prefill, all sequences in one pass (a lone prompt by
+``chunk_delta_rule``, without the packing copies), and ``decode_step`` for decode and for the
+one-token sequences of a mixed step (torch).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
 lazily, so this module imports on machines without a GPU driver.
 
@@ -25,7 +26,12 @@ from functools import lru_cache
 
 import torch
 
-from model_runner.ops.delta_rule import decode_step, default_chunk_size, varlen_chunk_delta_rule
+from model_runner.ops.delta_rule import (
+    chunk_delta_rule,
+    decode_step,
+    default_chunk_size,
+    varlen_chunk_delta_rule,
+)
 
 
 def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float,
@@ -43,6 +49,10 @@ def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
     update, batched; the rest by ``varlen_chunk_delta_rule``, batched."""
     lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
     longer = [i for i, n in enumerate(lens) if n > 1]
+    if len(lens) == 1 and lens[0] > 1:  # a lone prompt: no packing copies
+        o, final = chunk_delta_rule(q[None], k[None], v[None], g[None], beta[None], states,
+                                    scale)
+        return o[0], final
     if len(longer) == len(lens):
         return varlen_chunk_delta_rule(q, k, v, g, beta, states, cu_seqlens, scale,
                                        default_chunk_size(g.dim() == 3))

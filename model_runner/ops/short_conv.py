@@ -37,17 +37,22 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
     Returns (silu(out) [N, C], new states [B, C, kernel - 1], and for each ``(i, n)`` of
     ``cuts`` the state sequence i has after its first n tokens [len(cuts), C, kernel - 1]).
 
-    Every sequence's ``[state ; x]`` sits in one buffer, so the taps are ``kernel`` gathers over
-    all tokens; the states are plain copies of rows, bit for bit what a split prefill leaves."""
+    Every sequence's ``[state ; x]`` sits in one buffer and the window sum runs over all of it as
+    ``kernel`` shifted slices; the states are copies of rows, bit for bit what a split prefill
+    leaves."""
     width, channels = states.shape[2], x.shape[1]
-    state_rows, x_rows, taps, final_rows = _conv_layout(tuple(cu_seqlens), width, x.device)
+    state_rows, x_rows, final_rows = _conv_layout(tuple(cu_seqlens), width, x.device)
     ext = x.new_empty(cu_seqlens[-1] + len(states) * width, channels, dtype=torch.float32)
     ext[state_rows.view(-1)] = states.transpose(1, 2).reshape(-1, channels).float()
     ext[x_rows] = x.float()
-    w = weight.float()
-    out = ext[taps[0]] * w[:, 0]
+    # row r of the window sum reads ext[r : r + kernel]: token t's output is row x_rows[t] - width;
+    # the few rows that start inside a state are computed and dropped
+    span, w = ext.shape[0] - width, weight.float()
+    out = ext[:span] * w[:, 0]
     for j in range(1, width + 1):
-        out.addcmul_(ext[taps[j]], w[:, j])
+        out.addcmul_(ext[j : j + span], w[:, j])
+    if len(states) > 1:
+        out = out[x_rows - width]
 
     def states_at(rows: torch.Tensor) -> torch.Tensor:  # [S, width] -> [S, C, width]
         return ext[rows].transpose(1, 2).to(states.dtype)
@@ -62,16 +67,15 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
 def _conv_layout(cu_seqlens: tuple[int, ...], width: int, device: torch.device
                  ) -> tuple[torch.Tensor, ...]:
     """Rows of ``conv_varlen``'s buffer, sequence i's ``[state ; x]`` after sequence i - 1's:
-    (its state rows [B, width], the tokens' rows [N], tap j of every token [width + 1, N], the
-    rows of each sequence's last ``width`` entries [B, width])."""
+    (its state rows [B, width], the tokens' rows [N], the rows of each sequence's last
+    ``width`` entries [B, width])."""
     num_seqs = len(cu_seqlens) - 1
     lens = torch.tensor(cu_seqlens[1:]) - torch.tensor(cu_seqlens[:-1])
     base = torch.tensor(cu_seqlens[:-1]) + torch.arange(num_seqs) * width
     seq = torch.repeat_interleave(torch.arange(num_seqs), lens)
-    start = base[seq] + torch.arange(cu_seqlens[-1]) - torch.tensor(cu_seqlens[:-1])[seq]
+    x_rows = base[seq] + width + torch.arange(cu_seqlens[-1]) - torch.tensor(cu_seqlens[:-1])[seq]
     offsets = torch.arange(width)
-    taps = start[None] + torch.arange(width + 1)[:, None]
-    rows = base[:, None] + offsets, start + width, taps, (base + lens)[:, None] + offsets
+    rows = base[:, None] + offsets, x_rows, (base + lens)[:, None] + offsets
     return tuple(t.to(device) for t in rows)
 
 
