@@ -5,7 +5,10 @@ differ only in the refresh.  All arms replay one multi-turn workload (turn k ext
 so turn k hits turn k-1's prompt-end checkpoint) with the same request-order seeds; the cache is
 flushed before each seed.  Per seed: dTTFT = mean TTFT(wr) - mean TTFT(nr), and cost per hit =
 dTTFT x requests / hits(wr), the average latency of one reconstruction event; replayed tokens
-per hit come from the server's counters (refresh_tokens / loads_wr).
+per hit come from the server's counters (refresh_tokens / loads_wr).  Beside it, the rank
+compute a refresh adds per hit: (compute_s(wr) - compute_s(nr)) / hits(wr).  In a closed loop
+with C requests in flight, mean TTFT is about C times the time per request (Little's law), so the
+latency cost per hit is about C times the compute per hit, and so is its noise.
 
 The nr and wr servers of a W_max run side by side (the idle one waits on a socket) and each seed
 runs on both back to back, in alternating order, so the drift of a shared machine hits both arms
@@ -54,19 +57,26 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"[refresh-cost] {pair[policy].name:<24} seed {seed:<4} hit "
                           f"{m['cache_hit_rate']:.3f}  mean TTFT {m['mean_ttft_ms']:.1f} ms  "
                           f"failed {m['failed']}", file=sys.stderr, flush=True)
-    rows = []
-    for w in args.wmax:
-        nr, wr = arms[(w, "nr")], arms[(w, "wr")]
-        delta = [wr[s]["mean_ttft_ms"] - nr[s]["mean_ttft_ms"] for s in args.seeds]
-        cost = [d * wr[s]["completed"] / wr[s]["num_hits"] if wr[s]["num_hits"] else None
-                for d, s in zip(delta, args.seeds)]
-        loads = sum(wr[s]["server"]["loads_wr"] for s in args.seeds)
-        replayed = sum(wr[s]["server"]["refresh_tokens"] for s in args.seeds)
-        rows.append({"w_max": w, "nr": nr, "wr": wr, "delta_ttft_ms": delta,
-                     "cost_per_hit_ms": cost,
-                     "replay_tokens_per_hit": replayed / loads if loads else None})
+    rows = [cost_row(w, arms[(w, "nr")], arms[(w, "wr")], args.seeds) for w in args.wmax]
     return {"command": args.command_line,
             "config": {k: str(v) for k, v in vars(args).items() if k != "func"}, "rows": rows}
+
+
+def cost_row(w_max: float, nr: dict[int, dict], wr: dict[int, dict], seeds: list[int]) -> dict:
+    """One W_max's figures from each seed's metrics of the two arms: the latency cost per hit
+    (the paper's) and the rank compute the refresh adds per hit (the server's ``compute_s``)."""
+    delta = [wr[s]["mean_ttft_ms"] - nr[s]["mean_ttft_ms"] for s in seeds]
+    cost, compute = [], []
+    for d, s in zip(delta, seeds):
+        hits = wr[s]["num_hits"]
+        extra = wr[s]["server"]["compute_s"] - nr[s]["server"]["compute_s"]
+        cost.append(d * wr[s]["completed"] / hits if hits else None)
+        compute.append(1000 * extra / hits if hits else None)
+    loads = sum(wr[s]["server"]["loads_wr"] for s in seeds)
+    replayed = sum(wr[s]["server"]["refresh_tokens"] for s in seeds)
+    return {"w_max": w_max, "nr": nr, "wr": wr, "delta_ttft_ms": delta, "cost_per_hit_ms": cost,
+            "compute_per_hit_ms": compute,
+            "replay_tokens_per_hit": replayed / loads if loads else None}
 
 
 async def _one(base_url: str, requests, args: argparse.Namespace) -> dict:
@@ -88,7 +98,8 @@ async def _one(base_url: str, requests, args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     header = ["W_max", "hit nr", "hit wr", "TTFT nr (ms)", "TTFT wr (ms)", "ΔTTFT (ms)",
-              "replay tok/hit", "cost/hit (ms)", "parked share of wr hits",
+              "replay tok/hit", "cost/hit (ms)", "rank compute/hit (ms)",
+              "parked share of wr hits",
               "paper ΔTTFT / cost/hit (ms)"]
     rows = []
     for r in result["rows"]:
@@ -101,6 +112,7 @@ def markdown(result: dict) -> str:
                      pm(per_seed(wr, "cache_hit_rate"), 4), pm(per_seed(nr, "mean_ttft_ms")),
                      pm(per_seed(wr, "mean_ttft_ms")), pm(r["delta_ttft_ms"]),
                      "n/a" if tok is None else f"{tok:.1f}", pm(r["cost_per_hit_ms"]),
+                     pm(r.get("compute_per_hit_ms", [])),
                      f"{parked / hits:.3f}" if hits else "n/a",
                      "—" if paper is None else f"{paper[0]} / {paper[1]}"])
     cfg = result["config"]
