@@ -202,11 +202,16 @@ def varlen_chunk_delta_rule(
     state = states.float()[order].contiguous()
     flat = state.view(-1, k_dim, v_dim)
     o = q.new_empty(num_chunks * num_heads, chunk_size, v_dim, dtype=torch.float32)
+    # under autograd the states advance out of place, as in chunk_delta_rule
+    in_place = not (torch.is_grad_enabled() and any(
+        x.requires_grad for x in (*factors, flat)))
     for j, count in enumerate(active):
-        rows = slice(offsets[j] * num_heads, (offsets[j] + count) * num_heads)
-        o[rows], _ = _hand_off(flat[: count * num_heads], [x[rows] for x in factors], True)
+        rows, n = slice(offsets[j] * num_heads, (offsets[j] + count) * num_heads), count * num_heads
+        o[rows], ahead = _hand_off(flat[:n], [x[rows] for x in factors], in_place)
+        if not in_place:
+            flat = torch.cat([ahead, flat[n:]])
     finals = torch.empty_like(state)
-    finals[order] = state
+    finals[order] = flat.view_as(state)
     o = o.view(num_chunks, num_heads, chunk_size, v_dim)
     return o[dest // chunk_size, :, dest % chunk_size], finals  # one gather, [N, H, V]
 
