@@ -188,6 +188,10 @@ def varlen_chunk_delta_rule(
     that has a j-th chunk.  Chunks are laid out round by round, sequences by falling chunk count
     within a round, so round j's chunks and states are leading slices: views, no gathers.
     """
+    if len(cu_seqlens) == 2:  # one sequence: its natural layout, without the packing copies
+        o, final = chunk_delta_rule(q[None], k[None], v[None], g[None], beta[None], states,
+                                    scale, chunk_size)
+        return o[0], final
     order, active, offsets, dest = _packing(tuple(cu_seqlens), chunk_size)
     num_chunks, num_heads, k_dim, v_dim = offsets[-1], v.shape[1], k.shape[2], v.shape[2]
     dest = dest.to(q.device)

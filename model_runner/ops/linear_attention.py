@@ -1,8 +1,7 @@
 """One interface for the delta-rule recurrence, chosen by device at run time.
 
-CPU: ``varlen_chunk_delta_rule`` for prefill, all sequences in one pass (a lone prompt by
-``chunk_delta_rule``, without the packing copies), and ``decode_step`` for decode and for the
-one-token sequences of a mixed step (torch).
+CPU: ``varlen_chunk_delta_rule`` for prefill, all sequences in one pass, and ``decode_step`` for
+decode and for the one-token sequences of a mixed step (torch).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
 lazily, so this module imports on machines without a GPU driver.
 
@@ -27,7 +26,6 @@ from functools import lru_cache
 import torch
 
 from model_runner.ops.delta_rule import (
-    chunk_delta_rule,
     decode_step,
     default_chunk_size,
     varlen_chunk_delta_rule,
@@ -47,32 +45,42 @@ def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: f
 def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
     """Every sequence in one pass: one-token sequences (decodes in a mixed step) by the decode
     update, batched; the rest by ``varlen_chunk_delta_rule``, batched."""
-    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-    longer = [i for i, n in enumerate(lens) if n > 1]
-    if len(lens) == 1 and lens[0] > 1:  # a lone prompt: no packing copies
-        o, final = chunk_delta_rule(q[None], k[None], v[None], g[None], beta[None], states,
-                                    scale)
-        return o[0], final
-    if len(longer) == len(lens):
-        return varlen_chunk_delta_rule(q, k, v, g, beta, states, cu_seqlens, scale,
-                                       default_chunk_size(g.dim() == 3))
-    ones = [i for i, n in enumerate(lens) if n == 1]
-    index = torch.tensor(ones, dtype=torch.long, device=q.device)
-    rows = torch.tensor([cu_seqlens[i] for i in ones], dtype=torch.long, device=q.device)
+    chunk = default_chunk_size(g.dim() == 3)
+    split = _split(tuple(cu_seqlens), q.device)
+    if split is None:  # no one-token sequence
+        return varlen_chunk_delta_rule(q, k, v, g, beta, states, cu_seqlens, scale, chunk)
+    (ones, one_rows), (longer, longer_rows, longer_cu) = split
     o = v.new_empty(v.shape, dtype=torch.float32)
     finals = torch.empty_like(states, dtype=torch.float32)
-    o[rows], finals[index] = decode_step(*(x[rows] for x in (q, k, v, g, beta)),
-                                         states[index].float(), scale)
-    if longer:
-        index = torch.tensor(longer, dtype=torch.long, device=q.device)
-        rows = torch.cat([torch.arange(cu_seqlens[i], cu_seqlens[i + 1]) for i in longer])
-        cu = [0]
-        for i in longer:
-            cu.append(cu[-1] + lens[i])
-        o[rows], finals[index] = varlen_chunk_delta_rule(
-            *(x[rows] for x in (q, k, v, g, beta)), states[index], cu, scale,
-            default_chunk_size(g.dim() == 3))
+    o[one_rows], finals[ones] = decode_step(*(x[one_rows] for x in (q, k, v, g, beta)),
+                                            states[ones].float(), scale)
+    if len(longer):
+        o[longer_rows], finals[longer] = varlen_chunk_delta_rule(
+            *(x[longer_rows] for x in (q, k, v, g, beta)), states[longer], longer_cu, scale,
+            chunk)
     return o, finals
+
+
+@lru_cache(maxsize=16)
+def _split(cu_seqlens: tuple[int, ...], device: torch.device):
+    """A step's one-token sequences and the rest, the same in every linear layer: None when
+    none has one token, else ((their indices, their rows), (the others' indices, rows and
+    cu_seqlens))."""
+    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    ones = [i for i, n in enumerate(lens) if n == 1]
+    if not ones:
+        return None
+    longer = [i for i, n in enumerate(lens) if n > 1]
+    cu = [0]
+    for i in longer:
+        cu.append(cu[-1] + lens[i])
+    rows = [r for i in longer for r in range(cu_seqlens[i], cu_seqlens[i + 1])]
+
+    def index(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    return ((index(ones), index([cu_seqlens[i] for i in ones])),
+            (index(longer), index(rows), cu))
 
 
 def delta_rule_decode(q, k, v, g, beta, states, scale: float,

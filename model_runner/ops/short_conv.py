@@ -15,18 +15,10 @@ import torch.nn.functional as F
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [n, C]; weight: [C, kernel]; state: [C, kernel - 1] -> (silu(out) [n, C], new state).
-
-    Token-major, accumulated in FP32: ``kernel`` multiply-adds over [n, C] (a grouped
-    ``F.conv1d`` with thousands of one-channel groups runs per channel on CPU).  The sum is
-    rounded to the weight dtype before the SiLU, where transformers' conv rounds it."""
-    n, width = x.shape[0], state.shape[1]
-    ext = torch.cat([state.t().float(), x.float()])  # [k - 1 + n, C]
-    w = weight.float()
-    out = ext[:n] * w[:, 0]
-    for j in range(1, width + 1):
-        out.addcmul_(ext[j : j + n], w[:, j])
-    return F.silu(out.to(weight.dtype)).to(x.dtype), ext[n:].t().to(state.dtype)
+    """One sequence: x [n, C]; weight [C, kernel]; state [C, kernel - 1] -> (silu(out) [n, C],
+    new state); ``conv_varlen`` with a single sequence."""
+    out, states, _ = conv_varlen(x, weight, state[None], [0, x.shape[0]])
+    return out, states[0]
 
 
 def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
@@ -38,8 +30,10 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
     ``cuts`` the state sequence i has after its first n tokens [len(cuts), C, kernel - 1]).
 
     Every sequence's ``[state ; x]`` sits in one buffer and the window sum runs over all of it as
-    ``kernel`` shifted slices; the states are copies of rows, bit for bit what a split prefill
-    leaves."""
+    ``kernel`` shifted slices, token-major and accumulated in FP32 (a grouped ``F.conv1d`` with
+    thousands of one-channel groups runs per channel on CPU); the sum is rounded to the weight
+    dtype before the SiLU, where transformers' conv rounds it.  The states are copies of rows,
+    bit for bit what a split prefill leaves."""
     width, channels = states.shape[2], x.shape[1]
     state_rows, x_rows, final_rows = _conv_layout(tuple(cu_seqlens), width, x.device)
     ext = x.new_empty(cu_seqlens[-1] + len(states) * width, channels, dtype=torch.float32)
