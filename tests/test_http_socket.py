@@ -2,17 +2,22 @@
 on a TCP connection only when the socket says ``proto == IPPROTO_TCP``.  A socket made with proto
 0 left it on, and on a kept-alive connection each streamed frame written after the response
 headers waited for the client's delayed ACK: ~30 ms added to every TTFT from a connection's
-second request on (docs/results/serving.md, "Session 13")."""
+second request on (docs/results/serving.md, "Session 13").  The front end runs on uvloop, which
+turns it off on every TCP connection; the socket stays right for asyncio's loop as well."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
+import pytest
+import uvloop
+
 from dasc_server.launch import bind_http
 
 
-def test_connections_accepted_on_the_http_socket_have_nagle_off():
+@pytest.mark.parametrize("run", [uvloop.run, asyncio.run], ids=["uvloop", "asyncio"])
+def test_connections_accepted_on_the_http_socket_have_nagle_off(run):
     sock = bind_http("127.0.0.1", 0)
     seen: list[int] = []
 
@@ -34,5 +39,5 @@ def test_connections_accepted_on_the_http_socket_have_nagle_off():
         server.close()
         await server.wait_closed()
 
-    asyncio.run(accept_one())
+    run(accept_one())
     assert seen and seen[0] != 0, "the accepted connection still runs Nagle's algorithm"
