@@ -32,6 +32,7 @@ from scheduler.scheduler_config import SchedulerConfig, prefill_budget
 from scheduler.serve_config import SchedulingConfig, ServeConfig
 
 IDLE_POLL_S = 0.5
+QUIET_S = 0.05  # idle this long before the integrity check runs
 
 
 class SchedulerProcess:
@@ -75,9 +76,12 @@ class SchedulerProcess:
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every waiting message; False when the server is stopping.  Going idle, it
-        first proves the books balance (once per idle spell, before it waits: a request that
-        wakes the loop is planned at once, not after the check)."""
-        if block and not self._checked:
+        proves the books balance once per idle spell, after ``QUIET_S`` without a message and
+        before the long wait.  Not at once: under load a step often finishes every running
+        request (one-token answers) while the next requests are still on their way through the
+        front end, and a check then (a few ms with a large KV pool) delayed the next step.  Not
+        after the wait either: a request that wakes the loop is planned at once."""
+        if block and not self._checked and not self.front.poll(QUIET_S):
             self.sched.check_integrity()
             self._checked = True
         timeout = IDLE_POLL_S if block else 0.0

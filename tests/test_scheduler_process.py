@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from serving import ipc_pair
@@ -114,52 +117,82 @@ def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
     server.close()
 
 
-def test_the_idle_check_runs_before_waiting_not_after_a_request_arrives(monkeypatch):
-    """A real ``SchedulerProcess`` over real IPC, with rank 0 played by the test: the
-    integrity check runs once when the loop goes idle; a request that then arrives is planned
-    with no check in between, and finishing it makes the loop check again before it waits."""
-    import threading
-    import time
-
+@contextmanager
+def _scheduler_loop(monkeypatch):
+    """A real ``SchedulerProcess`` over real IPC in a thread, rank 0 played by the test: yields
+    (front end's connection, rank 0's connection, the list of integrity checks so far)."""
     from scheduler import ipc
     from scheduler.__main__ import SchedulerProcess
-    from scheduler.messages import GenerateReq, SamplingParams, Shutdown, TokenBatch
-    from scheduler.rank_messages import BatchPlan, StepResult
+    from scheduler.messages import Shutdown
     from scheduler.scheduler import Scheduler
     from scheduler.scheduler_config import SchedulerConfig
 
     sched = Scheduler(SchedulerConfig(max_total_tokens=64, max_running_requests=2,
                                       num_checkpoint_slots=2, max_context_len=64, vocab_size=32))
-    checks: list[float] = []
+    checks: list[int] = []
     real_check = sched.check_integrity
     monkeypatch.setattr(sched, "check_integrity", lambda: (real_check(), checks.append(1)))
     front, front_end = ipc_pair(monkeypatch)
     rank, rank_end = ipc_pair(monkeypatch)
-    proc = SchedulerProcess(sched, rank_end, front_end)
-    loop = threading.Thread(target=proc.run, daemon=True)
+    loop = threading.Thread(target=SchedulerProcess(sched, rank_end, front_end).run, daemon=True)
     loop.start()
     try:
-        deadline = time.monotonic() + 10
-        while not checks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.6)  # past one idle poll (0.5 s): no second check while nothing happened
-        assert len(checks) == 1
-        ipc.send(front, GenerateReq("a", [3, 4, 5], SamplingParams(max_tokens=1)))
-        plan = ipc.recv(rank)
-        assert isinstance(plan, BatchPlan) and len(checks) == 1, "checked before planning"
-        ipc.send(rank, StepResult(plan.step_id, [7], 0.0, [0.0]))
-        assert isinstance(ipc.recv(front), TokenBatch)
-        while rank.poll(1.0):  # the finished request's checkpoint store, a step of its own
-            plan = ipc.recv(rank)
-            assert not plan.seqs and len(checks) == 1
-            ipc.send(rank, StepResult(plan.step_id, [], 0.0))
-        deadline = time.monotonic() + 10
-        while len(checks) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(checks) == 2
+        yield front, rank, checks
         ipc.send(front, Shutdown())
         loop.join(10)
         assert not loop.is_alive()
     finally:
         for conn in (front, front_end, rank, rank_end):
             conn.close()
+
+
+def _serve_one(front, rank, rid: str, checks: list[int]) -> int:
+    """Send a one-token request, play rank 0 for its step and its checkpoint store; the number
+    of checks that had run when its plan arrived."""
+    from scheduler import ipc
+    from scheduler.messages import GenerateReq, SamplingParams, TokenBatch
+    from scheduler.rank_messages import BatchPlan, StepResult
+
+    ipc.send(front, GenerateReq(rid, [3, 4, 5], SamplingParams(max_tokens=1)))
+    plan = ipc.recv(rank)
+    checked = len(checks)
+    assert isinstance(plan, BatchPlan) and plan.seqs
+    ipc.send(rank, StepResult(plan.step_id, [7], 0.0, [0.0]))
+    assert isinstance(ipc.recv(front), TokenBatch)
+    while rank.poll(1.0):  # the finished request's checkpoint store, a step of its own
+        plan = ipc.recv(rank)
+        assert not plan.seqs and len(checks) == checked
+        ipc.send(rank, StepResult(plan.step_id, [], 0.0))
+    return checked
+
+
+def _wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_the_idle_check_runs_before_waiting_not_after_a_request_arrives(monkeypatch):
+    """The integrity check runs once when the loop goes idle; a request that then arrives is
+    planned with no check in between, and finishing it makes the loop check again."""
+    with _scheduler_loop(monkeypatch) as (front, rank, checks):
+        _wait_for(lambda: checks)
+        time.sleep(0.6)  # past one idle poll (0.5 s): no second check while nothing happened
+        assert len(checks) == 1
+        assert _serve_one(front, rank, "a", checks) == 1, "checked before planning"
+        _wait_for(lambda: len(checks) == 2)
+        assert len(checks) == 2
+
+
+def test_no_check_between_a_step_that_empties_the_server_and_the_next_request(monkeypatch):
+    """Under load a step often finishes every running request (one-token answers) while the
+    next ones are still in the front end.  The loop waits ``QUIET_S`` before it checks, so a
+    request that follows within it is planned with no check in between (with ``QUIET_S`` long
+    here, the test does not race the loop)."""
+    import scheduler.__main__ as process
+
+    monkeypatch.setattr(process, "QUIET_S", 30.0)
+    with _scheduler_loop(monkeypatch) as (front, rank, checks):
+        for rid in ("a", "b", "c"):
+            assert _serve_one(front, rank, rid, checks) == 0, f"checked before planning {rid}"
+        assert not checks
