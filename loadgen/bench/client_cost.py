@@ -11,6 +11,9 @@ the clients alternating.  ``aiohttp`` is dasc-loadgen's own path (``loadgen.stre
 ``httpx`` is the client it used before: one ``httpx.AsyncClient`` pool, ``aiter_lines``.
 A gap between client and server TTFT is time spent in the client, the network stack or the
 front end's accept queue; on a small machine a costly client takes CPU from the server too.
+Beside the client's CPU, each row gives the CPU per request of the server's processes by role
+(front end, scheduler, ranks: from /proc, Linux only), which is where a hit's cost goes when
+its compute is small.
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from client.cli_help import DefaultsHelpFormatter
-from dasc_server.spawn import running_server
+from dasc_server.spawn import descendants, running_server
 from loadgen.bench.report import markdown_table
 from loadgen.runner import run_sequential, run_window
 from loadgen.stream import make_client, request_body
@@ -74,26 +79,53 @@ async def aiohttp_ttfts(base_url: str, requests: list[Request], concurrency: int
 
 
 CLIENTS = {"aiohttp": aiohttp_ttfts, "httpx": httpx_ttfts}
+# role of a server process, by a word of its command line (the launcher runs the front end)
+ROLES = (("serve_rank", "ranks"), ("-m scheduler", "scheduler"), ("torchrun", "torchrun"),
+         ("dasc_server.launch", "front end"))
 
 
-def measure(base_url: str, client: str, requests: list[Request], concurrency: int) -> dict:
+def server_cpu(launcher_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the launcher and every process below it, summed
+    by role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in [launcher_pid, *descendants(launcher_pid)]:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        role = next((name for word, name in ROLES if word in cmd), "other")
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def measure(base_url: str, client: str, requests: list[Request], concurrency: int,
+            launcher_pid: int) -> dict:
     s0, c0 = server_ttft(base_url)
+    before = server_cpu(launcher_pid)
     cpu, wall = time.process_time(), time.perf_counter()
     ttfts = asyncio.run(CLIENTS[client](base_url, requests, concurrency))
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    after = server_cpu(launcher_pid)
     s1, c1 = server_ttft(base_url)
     return {"client": client, "requests": len(requests), "wall_s": wall,
             "client_cpu_ms_per_request": 1e3 * cpu / len(requests),
+            "server_cpu_ms_per_request": {role: 1e3 * (t - before.get(role, 0.0)) / len(requests)
+                                          for role, t in sorted(after.items())},
             "requests_per_s": len(requests) / wall,
             "client_mean_ttft_ms": statistics.fmean(ttfts),
             "server_mean_ttft_ms": 1e3 * (s1 - s0) / max(c1 - c0, 1.0)}
 
 
 def markdown(rows: list[dict]) -> str:
-    header = ["client", "round", "client CPU / request (ms)", "requests/s",
+    roles = [name for _, name in ROLES if name != "torchrun"]
+    header = ["client", "round", "client CPU / request (ms)",
+              *[f"{name} CPU / request (ms)" for name in roles], "requests/s",
               "client mean TTFT (ms)", "server mean TTFT (ms)"]
     return markdown_table(header, [
         [r["client"], str(r["round"]), f"{r['client_cpu_ms_per_request']:.2f}",
+         *[f"{r['server_cpu_ms_per_request'].get(name, 0.0):.2f}" for name in roles],
          f"{r['requests_per_s']:.1f}", f"{r['client_mean_ttft_ms']:.1f}",
          f"{r['server_mean_ttft_ms']:.1f}"] for r in rows])
 
@@ -128,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             for client in args.clients:
                 row = {"round": round_, **measure(server.base_url, client, requests,
-                                                   args.concurrency)}
+                                                   args.concurrency, server.proc.pid)}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
     print(markdown(rows))
