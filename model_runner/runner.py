@@ -45,7 +45,7 @@ class RunnerConfig:
     cuda_graph_max_context: int = 4096  # longer decode contexts run eagerly
     # bf16 GEMM weights held in fp32 (``linear.hold_fp32``); None: where the CPU emulates bf16
     fp32_weights: bool | None = None
-    packed_weights: bool = True  # oneDNN-packed fp32 copies of large CPU linear weights
+    packed_weights: bool = True  # oneDNN-packed copies of large CPU weights (linear.pack_weight)
 
     @property
     def torch_dtype(self) -> torch.dtype:

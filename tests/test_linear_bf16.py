@@ -1,4 +1,5 @@
-"""bf16 GEMMs on CPUs that only emulate bf16: prefill-sized ones run in fp32 and round once."""
+"""bf16 GEMMs on CPUs that only emulate bf16: prefill-sized ones run in fp32 and round once.  On
+CPUs with native bf16 the large weights' packed copies stay bf16 and take every row count."""
 
 from __future__ import annotations
 
@@ -122,3 +123,34 @@ def test_one_row_of_a_transposed_weight_takes_the_packed_gemm(emulated):
     w32 = w_t.float()  # fp32 too; the packed layout is accurate at one row
     out = linear_mod.linear(x.float(), w32, linear_mod.pack_weight(w32))
     assert torch.allclose(out, F.linear(x.float(), w32), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_native_bf16_packs_bf16_and_takes_it_at_every_row_count(monkeypatch):
+    """AVX512-BF16 or AMX: a bf16 weight's packed copy is bf16 (half the bytes of the fp32 one)
+    and every row count runs through it, decode's one row and chunks past ``PACK_MAX_ROWS``
+    included (the fastest form there at every count measured).  Each output is the exact
+    product rounded once to bf16, up to fp32 summation error (K u sum |x w|, K = 512)."""
+    monkeypatch.setattr(linear_mod, "_EMULATED_BF16", False)
+    calls = []
+    real = linear_mod.packed_linear
+    monkeypatch.setattr(linear_mod, "packed_linear", lambda x, p: (calls.append(1), real(x, p))[1])
+    w = big_weight(torch.bfloat16)
+    w_t = w.t().contiguous().t()  # a routed expert's [out, in] view of input-major storage
+    g = torch.Generator().manual_seed(5)
+    for weight in (w, w_t):
+        packed = linear_mod.pack_weight(weight)
+        assert packed.dtype == torch.bfloat16
+        assert linear_mod.packed_bytes(weight) == weight.numel() * 2
+        for rows in (1, 17, linear_mod.PACK_MAX_ROWS + 1):
+            x = torch.randn(rows, w.shape[1], generator=g).bfloat16()
+            calls.clear()
+            out = linear_mod.linear(x, weight, packed)
+            assert calls == [1], f"{rows} rows did not take the packed bf16 GEMM"
+            assert out.dtype == torch.bfloat16
+            exact = F.linear(x.double(), w.double())
+            sums = x.double().abs() @ w.double().abs().T
+            assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 4e-5 * sums).all()
+    w32 = big_weight()  # fp32 weights keep the fp32 packing and its row range
+    assert linear_mod.pack_weight(w32).dtype == torch.float32
+    assert linear_mod.packed_bytes(w32) == w32.numel() * 4

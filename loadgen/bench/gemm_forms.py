@@ -1,5 +1,6 @@
-"""CPU GEMM forms of one linear weight: torch's ``F.linear`` vs the oneDNN-packed fp32 weight
-that ``model_runner.layers.linear.pack_weight`` makes (what ``--cpu-packed-weights on`` runs).
+"""CPU GEMM forms of one linear weight: torch's ``F.linear`` vs the oneDNN-packed weight that
+``model_runner.layers.linear.pack_weight`` makes (what ``--cpu-packed-weights on`` runs): bf16
+for a bf16 weight on a CPU with native bf16, else fp32.
 
     python -m loadgen.bench.gemm_forms [--shapes 12288x1024 1024x4096 ...]
         [--rows 1 2 4 17 64 256 1024] [--repeats 5]
@@ -43,7 +44,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the weight's and activations' dtype (bf16: torch's emulated GEMM where "
-                        "the CPU lacks bf16 dot products; the packed form is fp32 either way)")
+                        "the CPU lacks bf16 dot products, and an fp32 packed form there)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)

@@ -42,7 +42,8 @@ def main() -> None:
     p.add_argument("--cpu-fp32-weights", choices=["auto", "on", "off"], default="auto",
                    help="as dasc-serve's flag: bf16 GEMM weights held in fp32")
     p.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
-                   help="as dasc-serve's flag: oneDNN-packed fp32 copies of large linear weights")
+                   help="as dasc-serve's flag: oneDNN-packed copies of large linear weights "
+                        "(bf16 on a CPU with native bf16, else fp32)")
     p.add_argument("--mixed-chunks", type=int, nargs="*", default=[], metavar="C",
                    help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
                         "of another sequence, as a serving step that mixes them")

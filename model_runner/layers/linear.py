@@ -31,14 +31,21 @@ Index = torch.Tensor | None  # None: the whole on-disk extent
 UPCAST_MIN_ROWS = 16
 _EMULATED_BF16 = not cpu_has_native_bf16()
 
-# oneDNN's prepacked fp32 GEMM, the op inductor emits for a frozen CPU linear.  MKL's sgemm is
-# slow at few rows on this class of CPU (AVX2, one thread): a [12288, 1024] weight costs 5 ms
-# at M = 1, 11-13 ms at M = 2 and 35 ms at M = 17; the packed weight 8 / 16 ms at M = 2 / 17.
-# Over the real-shape models' weights the packed form is 1.4-2.7x faster at M = 4, 1.0-2.2x at
-# M = 64, but 0.77-1.2x at M = 1,024 and 0.6-1.0x at M = 1 (loadgen/bench/gemm_forms.py,
-# docs/results/runner.md), so it takes 2 <= M <= PACK_MAX_ROWS; M = 1 keeps torch's GEMV and
-# large prefill chunks torch's GEMM.  Only weights of at least PACK_MIN_ELEMENTS are packed (on
-# small ones the call overhead wins).  The packed copy is extra memory: the weight in fp32.
+# oneDNN's prepacked GEMM, the op inductor emits for a frozen CPU linear.
+# - fp32 (fp32 models; bf16 ones on a CPU that emulates bf16).  MKL's sgemm is slow at few rows
+#   on this class of CPU (AVX2, one thread): a [12288, 1024] weight costs 5 ms at M = 1,
+#   11-13 ms at M = 2 and 35 ms at M = 17; the packed weight 8 / 16 ms at M = 2 / 17.  Over the
+#   real-shape models' weights the packed form is 1.4-2.7x faster at M = 4, 1.0-2.2x at M = 64,
+#   but 0.77-1.2x at M = 1,024 and 0.6-1.0x at M = 1 (loadgen/bench/gemm_forms.py,
+#   docs/results/runner.md), so it takes 2 <= M <= PACK_MAX_ROWS; M = 1 keeps torch's GEMV and
+#   large prefill chunks torch's GEMM.
+# - bf16 on a CPU with AVX512-BF16 or AMX: the packed copy stays bf16, and it is the fastest
+#   form at every row count measured (one AVX512-BF16 core, [12288, 1024]: 1.1 against torch's
+#   2.9 ms at M = 1, 2.6 against 4.6 ms at M = 16, 121 against 129 ms at M = 1,024; an expert's
+#   transposed [1024, 1024] 0.06 against 0.15 ms at M = 1), so it takes every row count.  The
+#   fp32 packed form would be 2x slower than the bf16 GEMM from M = 16 on there.
+# Only weights of at least PACK_MIN_ELEMENTS are packed (on small ones the call overhead wins).
+# The packed copy is extra memory: the weight again, in fp32 or bf16 as above.
 PACK_MAX_ROWS = 256
 PACK_MIN_ELEMENTS = 1 << 19
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
@@ -54,40 +61,54 @@ def emulates_bf16(x: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 oneDNN-packed copy of an [out, in] CPU weight, or None where packing does not
-    pay (small weights, non-CPU tensors, a torch without oneDNN).  A transposed weight (a
-    routed expert's view of its input-major storage) is packed for one row, the layout that
-    runs decode's one row per expert fastest (1.1 vs 2.2-3.0 ms on [2048, 2304]), at 1.1-1.4x
-    the default layout's cost for 2-4 rows; a contiguous one is packed for many rows, since
-    its one row keeps torch's GEMV."""
+    """The oneDNN-packed copy of an [out, in] CPU weight (bf16 for a bf16 weight on a CPU with
+    native bf16, else fp32), or None where packing does not pay (small weights, non-CPU
+    tensors, a torch without oneDNN).  A transposed weight (a routed expert's view of its
+    input-major storage) is packed for one row, the layout that runs decode's one row per
+    expert fastest (fp32: 1.1 vs 2.2-3.0 ms on [2048, 2304]), at 1.1-1.4x the default layout's
+    cost for 2-4 rows; a contiguous one is packed for many rows, since its one row keeps
+    torch's GEMV in fp32."""
     if (not _HAS_ONEDNN or weight.device.type != "cpu" or weight.dim() != 2
             or weight.numel() < PACK_MIN_ELEMENTS):
         return None
     rows_hint = None if weight.is_contiguous() else 1
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), rows_hint)
+    dtype = torch.bfloat16 if _packs_bf16(weight.dtype) else torch.float32
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), rows_hint)
+
+
+def _packs_bf16(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and not _EMULATED_BF16
+
+
+def packed_bytes(weight: torch.Tensor) -> int:
+    """Memory of ``pack_weight(weight)``'s copy."""
+    return weight.numel() * (2 if _packs_bf16(weight.dtype) else 4)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``x W^T`` through the packed fp32 weight, in ``x``'s dtype (rounded once for bf16)."""
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    """``x W^T`` through the packed weight, in ``x``'s dtype: a bf16 weight packed in bf16
+    accumulates in fp32 and rounds once, as torch's bf16 GEMM does; bf16 through an fp32 packed
+    weight is rounded once too."""
+    flat = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
     y = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T`` in ``x``'s dtype.  With ``packed`` (``pack_weight(weight)``), 2 to
-    ``PACK_MAX_ROWS`` rows take the packed fp32 GEMM, and so does one row of a transposed
-    weight (in bf16 it would otherwise be upcast whole).  A weight held in fp32 for a bf16 model
-    (``hold_fp32``) takes an fp32 GEMM rounded once to bf16.  Otherwise, on a CPU without
-    native bf16, a bf16 GEMM of many rows (a prefill chunk) is computed the same way after
-    upcasting the weight: the products of bf16 operands are exact in fp32 and the emulated bf16
-    GEMM accumulates in fp32 too, so only the summation order differs, at 4-6x the speed.
-    Small row counts (decode) keep the bf16 GEMM on a contiguous weight, which reads half the
-    bytes."""
+    """``x W^T`` in ``x``'s dtype.  With ``packed`` (``pack_weight(weight)``): a bf16 packed
+    copy takes every row count; an fp32 one 2 to ``PACK_MAX_ROWS`` rows, and one row of a
+    transposed weight (in bf16 it would otherwise be upcast whole).  A weight held in fp32 for
+    a bf16 model (``hold_fp32``) takes an fp32 GEMM rounded once to bf16.  Otherwise, on a CPU
+    without native bf16, a bf16 GEMM of many rows (a prefill chunk) is computed the same way
+    after upcasting the weight: the products of bf16 operands are exact in fp32 and the
+    emulated bf16 GEMM accumulates in fp32 too, so only the summation order differs, at 4-6x
+    the speed.  Small row counts (decode) keep the bf16 GEMM on a contiguous weight, which
+    reads half the bytes."""
     rows = x.numel() // x.shape[-1]
-    if packed is not None and (2 <= rows <= PACK_MAX_ROWS or (
-            rows == 1 and not weight.is_contiguous())):
+    if packed is not None and (packed.dtype == x.dtype == torch.bfloat16
+                               or 2 <= rows <= PACK_MAX_ROWS
+                               or (rows == 1 and not weight.is_contiguous())):
         return packed_linear(x, packed)  # and one row of a transposed (expert) weight
     if weight.dtype != x.dtype:
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
@@ -113,7 +134,7 @@ def hold_fp32(model: nn.Module) -> int:
     added = 0
     for module in model.modules():
         if getattr(module, "packed", None) is not None or getattr(module, "packed_experts", None):
-            continue  # pack_gemms gave it fp32 copies (one row of a linear keeps the bf16 GEMV)
+            continue  # pack_gemms gave it packed copies (fp32 ones: one row keeps the bf16 GEMV)
         for name in getattr(module, "GEMM_WEIGHTS", ()):
             param = getattr(module, name)
             if param.dtype == torch.bfloat16:
@@ -135,7 +156,7 @@ class PackedGemm:
 
     def pack_weights(self) -> int:
         self.packed = pack_weight(self.weight)
-        return 0 if self.packed is None else self.weight.numel() * 4
+        return 0 if self.packed is None else packed_bytes(self.weight)
 
 
 def group_rows(groups: Sequence[int], group_size: int, start: int = 0,

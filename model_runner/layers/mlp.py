@@ -21,6 +21,7 @@ from model_runner.layers.linear import (
     linear,
     new_param,
     pack_weight,
+    packed_bytes,
     rank_slice,
 )
 from model_runner.parallel import TPGroup
@@ -214,7 +215,7 @@ class SparseMoE(nn.Module):
         or more rows in the routed form (the graph-safe forms read ``w13``/``w2`` directly)."""
         self.packed_experts = [(pack_weight(self.gate_up(e)), pack_weight(self.down(e)))
                                for e in range(self.cfg.num_experts)]
-        sizes = (self.w13[0].numel() * 4, self.w2[0].numel() * 4)
+        sizes = (packed_bytes(self.w13[0]), packed_bytes(self.w2[0]))
         return sum(size for pair in self.packed_experts
                    for size, p in zip(sizes, pair) if p is not None)
 
