@@ -53,7 +53,7 @@ def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
     o = v.new_empty(v.shape, dtype=torch.float32)
     finals = torch.empty_like(states, dtype=torch.float32)
     o[one_rows], finals[ones] = decode_step(*(x[one_rows] for x in (q, k, v, g, beta)),
-                                            states[ones].float(), scale)
+                                            states.index_select(0, ones).float(), scale)
     if len(longer):
         o[longer_rows], finals[longer] = varlen_chunk_delta_rule(
             *(x[longer_rows] for x in (q, k, v, g, beta)), states[longer], longer_cu, scale,
@@ -84,12 +84,16 @@ def _split(cu_seqlens: tuple[int, ...], device: torch.device):
 
 
 def delta_rule_decode(q, k, v, g, beta, states, scale: float,
-                      operand_dtype: torch.dtype = torch.float32
+                      operand_dtype: torch.dtype = torch.float32, in_place: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence: q, k [B, Hk, K] ... -> (o [B, Hv, V], new states)."""
+    """One token per sequence: q, k [B, Hk, K] ... -> (o [B, Hv, V], new states).
+    ``in_place``: on CPU, fp32 ``states`` (a caller's gathered copy) become the new states
+    instead of a copy of them."""
     if q.is_cuda:
         return _fla_decode(*_operands(operand_dtype, q, k, v, beta), g, states, scale)
-    return decode_step(q, k, v, g, beta, states.to(torch.float32, copy=True), scale)
+    if not (in_place and states.dtype == torch.float32):
+        states = states.to(torch.float32, copy=True)
+    return decode_step(q, k, v, g, beta, states, scale)
 
 
 def _operands(dtype: torch.dtype, q, k, v, beta):
