@@ -45,19 +45,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     """One sequence. q: [n, H, D]; k: [L, Hkv, D]; v: [L, Hkv, Dv]; L = prefix_len + n."""
     if q.is_cuda or q.shape[0] > 1:
         return _sdpa_causal(q, k, v, prefix_len, scale)
-    num_heads, num_kv = q.shape[1], k.shape[1]
-    if num_kv != num_heads:
-        k = k.repeat_interleave(num_heads // num_kv, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv, dim=1)
-    dtype, work = q.dtype, _work_dtype(q)  # rounded to dtype where a dtype product rounds
-    q, k, v = (t.transpose(0, 1).to(work) for t in (q, k, v))  # heads first
-    scores = torch.matmul(q, k.transpose(1, 2)).to(dtype) * scale  # [H, n, L]
-    n, total = q.shape[1], k.shape[1]
-    future = torch.arange(total, device=q.device)[None] > (
-        prefix_len + torch.arange(n, device=q.device)[:, None])
-    scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-    return torch.matmul(probs.to(work), v).to(dtype).transpose(0, 1)  # [n, H, Dv]
+    # one query sees every key: the table form with one row
+    lens = torch.full((1,), k.shape[0], dtype=torch.long, device=q.device)
+    return _grouped_decode(q, k[None], v[None], lens, scale)
 
 
 def _work_dtype(q: torch.Tensor) -> torch.dtype:
@@ -109,20 +99,29 @@ def table_decode_attention(table: torch.Tensor, lens: torch.Tensor, q: torch.Ten
     masked), lens [B], q [B, H, D] -> [B, H, Dv]."""
     num_seqs, width = table.shape
     k, v = expand(cache[table.reshape(-1)])  # [B*C, Hkv, D], [B*C, Hkv, Dv]
-    num_heads, num_kv = q.shape[1], k.shape[1]
+    num_kv = k.shape[1]
     k = k.view(num_seqs, width, num_kv, -1)
     v = v.view(num_seqs, width, num_kv, -1)
     if q.is_cuda:
         return _sdpa_table(q, k, v, lens, scale)
-    if num_kv != num_heads:
-        k = k.repeat_interleave(num_heads // num_kv, dim=2)
-        v = v.repeat_interleave(num_heads // num_kv, dim=2)
+    return _grouped_decode(q, k, v, lens, scale)
+
+
+def _grouped_decode(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """CPU: q [B, H, D] over k [B, C, Hkv, D], v [B, C, Hkv, Dv], keys [lens, C) masked ->
+    [B, H, Dv].  The r = H / Hkv query heads of a KV head attend as one [r, D] block against
+    its keys, so the keys and values are never repeated r times (at Qwen3-Next's 16 / 2 heads
+    the repeat, and the copies that laid it out for the products, cost more than the
+    products).  Rounded to q's dtype where a dtype product would round (``_work_dtype``)."""
+    num_seqs, width, num_kv = k.shape[:3]
     dtype, work = q.dtype, _work_dtype(q)
-    scores = torch.einsum("bhd,bchd->bhc", q.to(work), k.to(work)).to(dtype) * scale  # [B,H,C]
+    queries = q.to(work).view(num_seqs, num_kv, -1, q.shape[-1])  # [B, Hkv, r, D]
+    scores = torch.matmul(queries, k.to(work).permute(0, 2, 3, 1)).to(dtype) * scale
     padding = torch.arange(width, device=q.device)[None] >= lens[:, None]  # [B, C]
-    scores = scores.masked_fill(padding[:, None], float("-inf"))
+    scores = scores.masked_fill(padding[:, None, None], float("-inf"))  # [B, Hkv, r, C]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-    return torch.einsum("bhc,bchd->bhd", probs.to(work), v.to(work)).to(dtype)
+    out = torch.matmul(probs.to(work), v.to(work).transpose(1, 2))  # [B, Hkv, r, Dv]
+    return out.to(dtype).reshape(num_seqs, q.shape[1], -1)
 
 
 def _sdpa_table(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
