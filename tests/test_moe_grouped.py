@@ -145,18 +145,19 @@ def test_grouped_mm_conditions():
 def test_expert_form_choice():
     """Fixed shapes: gathered to the limit, then grouped (all experts where it cannot run).
     Eager: grouped on CUDA at every size; on CPU while pairs <= 2 per expert (64 tokens of 64
-    experts top-2, measured) unless the weights would be upcast; else routed."""
+    experts top-2, measured) unless the weights would be upcast or have packed bf16 copies;
+    else routed."""
     cfg = moe("gdn", 64, 2).cfg
     for device in ("cpu", "cuda"):
         limit = int(mlp.GATHERED_PAIRS_PER_EXPERT[device] * 64 / 2)  # tokens
         assert expert_form(limit, cfg, device, True, True) == "gathered"
         assert expert_form(limit + 1, cfg, device, True, True) == "grouped"
-        assert expert_form(limit + 1, cfg, device, True, True, upcasts=True) == "grouped"
+        assert expert_form(limit + 1, cfg, device, True, True, prefers_routed=True) == "grouped"
         assert expert_form(limit + 1, cfg, device, True, False) == "all"
     assert [expert_form(n, cfg, "cuda", False, True) for n in (1, 2048)] == ["grouped"] * 2
     assert [expert_form(n, cfg, "cpu", False, True) for n in (1, 64, 65, 2048)] == \
         ["grouped", "grouped", "routed", "routed"]
-    assert expert_form(1, cfg, "cpu", False, True, upcasts=True) == "routed"
+    assert expert_form(1, cfg, "cpu", False, True, prefers_routed=True) == "routed"
     assert [expert_form(n, cfg, d, False, False) for n in (1, 2048)
             for d in ("cpu", "cuda")] == ["routed"] * 4
 
@@ -177,3 +178,30 @@ def test_static_layer_takes_grouped_form_past_gathered_limit(monkeypatch):
     layer.w2.data[unrouted] = float("nan")
     torch.testing.assert_close(layer(x, is_static=True), eager, rtol=0,
                                atol=1e-6 * eager.abs().max().item())
+
+
+def test_packed_bf16_experts_take_the_routed_form(monkeypatch):
+    """On a CPU with native bf16 the experts are packed in bf16, and the routed form's GEMMs
+    through those copies beat torch's grouped GEMM over the plain weights at every size
+    measured (``SparseMoE.packs_bf16``): an eager step of one token, grouped before packing,
+    takes the routed form after it, and the two agree within one bf16 step."""
+    from model_runner.layers import linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "_EMULATED_BF16", False)
+    monkeypatch.setattr(linear_mod, "PACK_MIN_ELEMENTS", 1)  # pack this small layer too
+    layer = moe("gdn", 8, 2).to(torch.bfloat16)
+    x = torch.randn(1, layer.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    x = x.bfloat16()
+    taken = []
+    for form in ("grouped", "routed"):
+        real = getattr(layer, f"_{form}_experts")
+        monkeypatch.setattr(layer, f"_{form}_experts",
+                            lambda *a, form=form, real=real: (taken.append(form), real(*a))[1])
+    assert not layer.packs_bf16
+    grouped = layer(x)
+    layer.pack_weights()
+    assert layer.packs_bf16
+    routed = layer(x)
+    assert taken == ["grouped", "routed"]
+    torch.testing.assert_close(routed.float(), grouped.float(), rtol=0,
+                               atol=BF16_STEP * grouped.abs().max().item())

@@ -48,7 +48,9 @@ GATHERED_PAIRS_PER_EXPERT = {"cpu": 8.0, "cuda": 0.5}
 # the routed form.  CPU, one thread (loadgen/bench/moe_forms.py, docs/results/step-cost.md): fp32
 # grouped is 1.2-1.8x faster up to 2 pairs per expert on the Qwen-shape (8 experts), Kimi-shape
 # (16) and 64-expert models, 0.8-1.1x from 4 to 256 (the routed form's packed GEMMs), 0.85-1.3x
-# beyond (mixed: kept routed); bf16 weights 0.06-1.04x.  CUDA: unmeasured; by construction at
+# beyond (mixed: kept routed); bf16 weights 0.06-1.04x.  Experts with packed bf16 copies (a
+# CPU with native bf16) take the routed form at every size (``SparseMoE.packs_bf16``).
+# CUDA: unmeasured; by construction at
 # every size (one grouped GEMM per projection and no host sync, against a GEMM pair per used
 # expert after a sync).
 GROUPED_PAIRS_PER_EXPERT = {"cpu": 2.0, "cuda": float("inf")}
@@ -61,18 +63,19 @@ def uses_gathered_experts(num_tokens: int, cfg: ModelConfig, device_type: str = 
 
 
 def expert_form(num_tokens: int, cfg: ModelConfig, device_type: str, is_static: bool,
-                can_group: bool, upcasts: bool = False) -> str:
+                can_group: bool, prefers_routed: bool = False) -> str:
     """The ``SparseMoE`` form (``_{form}_experts``) of a step of ``num_tokens``: fixed-shape
     steps gathered, then grouped where ``can_group`` (``grouped_mm_runs``), else all experts;
-    eager steps grouped while ``GROUPED_PAIRS_PER_EXPERT`` allows and the grouped GEMMs need
-    no upcast of the weights, else routed."""
+    eager steps grouped while ``GROUPED_PAIRS_PER_EXPERT`` allows, unless ``prefers_routed``
+    (the grouped GEMMs would upcast the weights, or the routed form has packed bf16 copies),
+    else routed."""
     if is_static:
         if uses_gathered_experts(num_tokens, cfg, device_type):
             return "gathered"
         return "grouped" if can_group else "all"
     limit = GROUPED_PAIRS_PER_EXPERT.get(device_type, GROUPED_PAIRS_PER_EXPERT["cuda"])
     pairs = num_tokens * cfg.num_experts_per_tok
-    return "grouped" if can_group and not upcasts and pairs <= limit * cfg.num_experts \
+    return "grouped" if can_group and not prefers_routed and pairs <= limit * cfg.num_experts \
         else "routed"
 
 
@@ -203,7 +206,8 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
         form = expert_form(x.shape[0], self.cfg, x.device.type, is_static,
-                           grouped_mm_runs(x, self.w13, self.w2), emulates_bf16(self.w13))
+                           grouped_mm_runs(x, self.w13, self.w2),
+                           emulates_bf16(self.w13) or self.packs_bf16)
         getattr(self, f"_{form}_experts")(x, weights, ids, out)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
@@ -218,6 +222,15 @@ class SparseMoE(nn.Module):
         sizes = (packed_bytes(self.w13[0]), packed_bytes(self.w2[0]))
         return sum(size for pair in self.packed_experts
                    for size, p in zip(sizes, pair) if p is not None)
+
+    @property
+    def packs_bf16(self) -> bool:
+        """The experts hold packed bf16 copies (``pack_weight`` on a CPU with native bf16).
+        The routed form's GEMMs through them beat torch's grouped GEMM over the plain weights
+        at every size measured: a Kimi-shape decode step (16 experts) took 131-136 against
+        198-209 ms at batch 1 and 155-164 against 217-230 ms at batch 4 (one core)."""
+        first = self.packed_experts[0][0] if self.packed_experts else None
+        return first is not None and first.dtype == torch.bfloat16
 
     def gate_up(self, expert: int) -> torch.Tensor:
         return self.w13[expert].t()  # [2I, hidden]
