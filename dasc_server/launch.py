@@ -239,7 +239,8 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
             self._captured_signals.clear()
 
     # httptools and uvloop, not h11 and asyncio's loop: the front end shares the CPUs with the
-    # ranks, and these halve its CPU per request (1.08 -> 0.7-0.8 ms for a streamed hit)
+    # ranks, and these cut its CPU per streamed hit by about a quarter (0.90-1.35 -> 0.79-1.03
+    # ms; docs/results/serving.md, session 17)
     server = Server(uvicorn.Config(app, log_level="warning", http="httptools",
                                    timeout_graceful_shutdown=args.shutdown_timeout))
 

@@ -108,13 +108,16 @@ class Snapshots:
 
 @dataclass(slots=True)
 class SingleQueries:
-    """A step's one-token sequences, for attention as one padded batch over a row table (a
-    decode step that is not static, the decodes and one-token hits of a mixed step)."""
+    """A step's one-token sequences (a decode step that is not static, the decodes and one-token
+    hits of a mixed step) and, where padding stays cheap, the padded row table over which they
+    attend as one batch."""
 
     seqs: list[int]
     rows: torch.Tensor  # [S] their query rows
-    table: torch.Tensor  # [S, C] KV rows of positions [0, C); columns [lens, C) repeat row 0
-    lens: torch.Tensor  # [S] valid columns
+    # [S, C] KV rows of positions [0, C), columns [lens, C) repeating row 0, and [S] lens;
+    # both None where padding would cost too much (each sequence then attends alone)
+    table: torch.Tensor | None
+    lens: torch.Tensor | None
 
     # padding a short context to the longest one costs what attention over it costs: pad only
     # while the table holds at most this many times the rows it must read
@@ -127,13 +130,13 @@ class SingleQueries:
         if not seqs:
             return None
         reads = [batch.kv_read_index[i] for i in seqs]
+        device = reads[0].device
+        rows = torch.tensor([cu[i] for i in seqs], dtype=torch.long, device=device)
         lens = [len(r) for r in reads]
         if len(seqs) * max(lens) > cls.MAX_PADDING * sum(lens):
-            return None
-        device = reads[0].device
+            return cls(seqs, rows, None, None)
         table = torch.nn.utils.rnn.pad_sequence(reads, batch_first=True, padding_value=0)
-        return cls(seqs, torch.tensor([cu[i] for i in seqs], dtype=torch.long, device=device),
-                   table, torch.tensor(lens, dtype=torch.long, device=device))
+        return cls(seqs, rows, table, torch.tensor(lens, dtype=torch.long, device=device))
 
 
 @dataclass(slots=True)
@@ -171,8 +174,8 @@ class ForwardBatch:
 
     @property
     def single_queries(self) -> SingleQueries | None:
-        """The one-token sequences as one padded batch (``SingleQueries``), built once a step;
-        None where there are none or padding would cost too much."""
+        """The one-token sequences (``SingleQueries``), built once a step; None where there
+        are none."""
         if self._singles is False:
             self._singles = SingleQueries.of(self)
         return self._singles

@@ -154,9 +154,9 @@ def _each_alone(batch, q, cache):
 def test_single_queries_attend_as_each_alone(contexts, new, padded):
     batch, q, cache = _step(contexts, new)
     singles = batch.single_queries
-    assert (singles is not None) == padded
+    assert singles.seqs == [i for i, n in enumerate(new) if n == 1]
+    assert (singles.table is not None) == padded
     if padded:
-        assert singles.seqs == [i for i, n in enumerate(new) if n == 1]
         assert singles.table.shape[1] * len(singles.seqs) <= SingleQueries.MAX_PADDING * sum(
             c + 1 for c, n in zip(contexts, new) if n == 1)
     got = per_sequence(batch, q, cache, lambda kv: (kv[:, 0], kv[:, 1]), 0.4)

@@ -140,7 +140,7 @@ def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expa
     singles = batch.single_queries
     longer = range(batch.num_seqs)
     parts = []
-    if singles is not None:
+    if singles is not None and singles.table is not None:
         parts.append((singles.rows, table_decode_attention(
             singles.table, singles.lens, q[singles.rows], cache, expand, scale)))
         longer = sorted(set(longer) - set(singles.seqs))

@@ -103,8 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     without native bf16, a bf16 GEMM of many rows (a prefill chunk) is computed the same way
     after upcasting the weight: the products of bf16 operands are exact in fp32 and the
     emulated bf16 GEMM accumulates in fp32 too, so only the summation order differs, at 4-6x
-    the speed.  Small row counts (decode) keep the bf16 GEMM on a contiguous weight, which
-    reads half the bytes."""
+    the speed.  Without a packed copy, small row counts (decode) keep the bf16 GEMM on a
+    contiguous weight, which reads half the bytes."""
     rows = x.numel() // x.shape[-1]
     if packed is not None and (packed.dtype == x.dtype == torch.bfloat16
                                or 2 <= rows <= PACK_MAX_ROWS

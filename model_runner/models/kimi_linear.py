@@ -135,8 +135,7 @@ class MLAttention(nn.Module):
         expanded for longer ones (prefill chunks)."""
         cfg = self.cfg
         cu = batch.cu_seqlens
-        singles = [i for i in range(batch.num_seqs) if cu[i + 1] - cu[i] == 1]
-        if not self.absorb_decode or not (batch.is_static or singles):
+        if not self.absorb_decode or not (batch.is_static or batch.single_queries):
             return paged_attention(batch, q, cache, self._expand, self.scale)
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, cfg.qk_nope_head_dim)
         if batch.is_static:  # one query per sequence over its row table [B, C]
@@ -145,17 +144,16 @@ class MLAttention(nn.Module):
                                      batch.kv_lens)
             return up_project_values(o_lat, w_uv)
         out = q.new_empty(q.shape[0], self.num_heads, cfg.v_head_dim)
-        index = torch.tensor([cu[i] for i in singles], device=q.device)
-        q_abs = absorb_query(q[index], w_uk)  # [S, H, kv_lora + rope]
-        table = batch.single_queries  # one padded batch, or one attention per sequence
-        if table is not None:
-            o_lat = latent_attention(q_abs, cache[table.table], cfg.kv_lora_rank, self.scale,
-                                     table.lens)
+        singles = batch.single_queries
+        q_abs = absorb_query(q[singles.rows], w_uk)  # [S, H, kv_lora + rope]
+        if singles.table is not None:  # one padded batch, else one attention per sequence
+            o_lat = latent_attention(q_abs, cache[singles.table], cfg.kv_lora_rank, self.scale,
+                                     singles.lens)
         else:
             o_lat = torch.cat([latent_attention(q_abs[j, None], cache[batch.kv_read_index[i]][None],
                                                 cfg.kv_lora_rank, self.scale)
-                               for j, i in enumerate(singles)])  # [S, H, kv_lora]
-        out[index] = up_project_values(o_lat, w_uv)
+                               for j, i in enumerate(singles.seqs)])  # [S, H, kv_lora]
+        out[singles.rows] = up_project_values(o_lat, w_uv)
         for i in range(batch.num_seqs):
             a, b = cu[i], cu[i + 1]
             if b - a > 1:

@@ -56,8 +56,8 @@ def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
                                             states.index_select(0, ones).float(), scale)
     if len(longer):
         o[longer_rows], finals[longer] = varlen_chunk_delta_rule(
-            *(x[longer_rows] for x in (q, k, v, g, beta)), states[longer], longer_cu, scale,
-            chunk)
+            *(x[longer_rows] for x in (q, k, v, g, beta)), states.index_select(0, longer),
+            longer_cu, scale, chunk)
     return o, finals
 
 
