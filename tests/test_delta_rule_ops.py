@@ -11,12 +11,16 @@ import torch
 from model_runner.ops.delta_rule import (
     FACTOR_LIMIT,
     chunk_delta_rule,
-    decode_step,
     l2norm_div,
     recurrent_delta_rule,
     recurrent_step,
 )
-from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
+from model_runner.ops.delta_rule_decode import decode_step
+from model_runner.ops.linear_attention import (
+    delta_rule_decode,
+    delta_rule_prefill,
+    recurrence_in_pool,
+)
 from model_runner.ops.short_conv import conv_decode, conv_prefill
 
 
@@ -161,3 +165,27 @@ def test_short_conv_prefill_equals_token_steps():
     # a short sequence keeps part of the old state: (kernel - 1) positions in all
     _, short = conv_prefill(x[:2], weight, state0)
     assert torch.equal(short, torch.cat([state0[:, 2:], x[:2].t()], dim=1))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("lens", [[1, 1, 1], [1, 9, 1, 5], [9, 5]])
+def test_recurrence_in_pool_gives_the_gathered_paths_bits(per_channel, lens):
+    """The CPU step's in-pool recurrence (decodes updated in their slots, longer sequences
+    gathered) against the gathered states through ``delta_rule_prefill``, which runs the same
+    decodes batched: bit for bit in the outputs and the slots, the other slots untouched.
+    Decode-only, mixed and prefill-only steps; GVA (2 value heads per key head)."""
+    n = sum(lens)
+    q, k, v, g, beta, _ = _inputs(1, n, 4, 8, 8, per_channel, seed=7)
+    q, k, v, g, beta = (x[0] for x in (q[:, :, :2], k[:, :, :2], v, g, beta))
+    pool = torch.randn(6, 4, 8, 8, generator=torch.Generator().manual_seed(8))
+    slots = torch.tensor([4, 0, 5, 2][: len(lens)])
+    cu = [0]
+    for m in lens:
+        cu.append(cu[-1] + m)
+    with torch.inference_mode():
+        o_ref, finals = delta_rule_prefill(q, k, v, g, beta, pool[slots], cu, 0.3)
+        expected = pool.clone()
+        expected[slots] = finals
+        o = recurrence_in_pool(q, k, v, g, beta, pool, slots, cu, 0.3)
+    assert torch.equal(o, o_ref)
+    assert torch.equal(pool, expected)

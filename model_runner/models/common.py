@@ -15,7 +15,11 @@ from model_runner.config import ModelConfig
 from model_runner.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from model_runner.layers.mlp import DenseMLP, SparseMoE
 from model_runner.layers.norm import RMSNorm
-from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
+from model_runner.ops.linear_attention import (
+    delta_rule_decode,
+    delta_rule_prefill,
+    recurrence_in_pool,
+)
 from model_runner.ops.short_conv import conv_decode, conv_varlen
 from model_runner.parallel import TPGroup
 from model_runner.pools import KVPool, StatePool
@@ -101,6 +105,8 @@ def _recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: list[int], 
     the decode kernel, anything longer the chunked prefill."""
     if len(slots) == 0:
         return v.new_empty(v.shape, dtype=torch.float32)
+    if not pool.is_cuda and not torch.is_grad_enabled():
+        return recurrence_in_pool(q, k, v, g, beta, pool, slots, cu_seqlens, scale)
     # index_select, not pool[slots]: torch's advanced-indexing gather took 2x as long for
     # states of 2 MB a sequence (real shapes); the decode updates the gathered copy in place
     states = pool.index_select(0, slots)

@@ -7,8 +7,8 @@ State layout everywhere in dasc: ``[..., H, K, V]`` FP32 (key channel k of head 
 
 ``chunk_delta_rule`` evaluates this for a whole sequence chunk by chunk (WY form, one triangular
 solve per chunk, all chunks at once); only the inter-chunk state hand-off is a loop over chunks.
-``recurrent_step`` is the one-token update; looping it is the reference.  ``decode_step`` is
-the same update as batched products in place, used for decode.
+``recurrent_step`` is the one-token update; looping it is the reference
+(``delta_rule_decode.decode_step`` is the same update as batched products, used for decode).
 Both are differentiable, so the training script uses them too.
 """
 
@@ -52,43 +52,6 @@ def recurrent_step(
     state = state + k[..., None] * delta[..., None, :]
     o = (state * (q * scale)[..., None]).sum(dim=-2)
     return o, state
-
-
-def decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``recurrent_step`` as batched matrix products, updating ``state`` in place (the caller's
-    gathered copy; out of place under autograd); q, k may have Hk = H / r key heads (GVA).
-    Returns (o [B, H, V], state).
-
-    At decode the state is most of the bytes a linear layer moves, so it is read three times
-    and written twice: one product projects it on the decayed key and query together
-    (``k^T (D S) = (d k)^T S``), then ``D S + k delta^T`` is written in two in-place passes.
-    The output reads the old state's projection: ``q^T S' = (d q)^T S + (q . k) delta``."""
-    batch, num_heads, k_dim, v_dim = state.shape
-    ratio = num_heads // k.shape[1]
-    if ratio > 1:
-        q, k = (x.unsqueeze(2).expand(-1, -1, ratio, -1).reshape(batch, num_heads, k_dim)
-                for x in (q, k))
-    rows = batch * num_heads
-    flat = state.view(rows, k_dim, v_dim)
-    decay = g.float().exp().reshape(rows, -1, 1)  # [BH, 1, 1] (GDN) or [BH, K, 1] (KDA)
-    k_f = k.float().reshape(rows, k_dim, 1)
-    q_f = q.float().reshape(rows, k_dim, 1) * scale
-    proj = torch.bmm(torch.cat([k_f * decay, q_f * decay], dim=2).transpose(1, 2), flat)
-    delta = (v.float().reshape(rows, 1, v_dim) - proj[:, :1]) * beta.float().reshape(rows, 1, 1)
-    o = proj[:, 1:] + (q_f * k_f).sum(dim=1, keepdim=True) * delta  # [BH, 1, V]
-    if torch.is_grad_enabled():
-        new = torch.addcmul(flat * decay, k_f, delta)
-        return o.view(batch, num_heads, v_dim), new.view(state.shape)
-    flat.mul_(decay).addcmul_(k_f, delta)
-    return o.view(batch, num_heads, v_dim), state
 
 
 def recurrent_delta_rule(

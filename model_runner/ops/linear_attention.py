@@ -1,7 +1,8 @@
 """One interface for the delta-rule recurrence, chosen by device at run time.
 
 CPU: ``varlen_chunk_delta_rule`` for prefill, all sequences in one pass, and ``decode_step`` for
-decode and for the one-token sequences of a mixed step (torch).
+decode and for the one-token sequences of a mixed step (torch).  ``recurrence_in_pool`` runs a
+step's sequences straight from and into a state pool (CPU inference).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
 lazily, so this module imports on machines without a GPU driver.
 
@@ -25,11 +26,8 @@ from functools import lru_cache
 
 import torch
 
-from model_runner.ops.delta_rule import (
-    decode_step,
-    default_chunk_size,
-    varlen_chunk_delta_rule,
-)
+from model_runner.ops.delta_rule import default_chunk_size, varlen_chunk_delta_rule
+from model_runner.ops.delta_rule_decode import decode_into, decode_step
 
 
 def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float,
@@ -59,6 +57,30 @@ def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
             *(x[longer_rows] for x in (q, k, v, g, beta)), states.index_select(0, longer),
             longer_cu, scale, chunk)
     return o, finals
+
+
+def recurrence_in_pool(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor,
+                       cu_seqlens: list[int], scale: float) -> torch.Tensor:
+    """CPU, without autograd: the sequences of ``cu_seqlens`` from and into ``pool[slots]``
+    (FP32); returns o [N, Hv, V] FP32.  One-token sequences update their slots in place
+    (``decode_into``: no gather, no write-back); longer ones are gathered, run as
+    ``_cpu_prefill`` runs them and written back.  The same bits as ``_cpu_prefill`` on the
+    gathered states."""
+    split = _split(tuple(cu_seqlens), q.device)
+    if split is None:  # no one-token sequence
+        o, finals = varlen_chunk_delta_rule(q, k, v, g, beta, pool.index_select(0, slots),
+                                            cu_seqlens, scale, default_chunk_size(g.dim() == 3))
+        pool.index_copy_(0, slots, finals)
+        return o
+    (ones, one_rows), (longer, longer_rows, longer_cu) = split
+    if not len(longer):
+        return decode_into(pool, slots.tolist(), q, k, v, g, beta, scale)
+    o = v.new_empty(v.shape, dtype=torch.float32)
+    o[one_rows] = decode_into(pool, slots[ones].tolist(),
+                              *(x[one_rows] for x in (q, k, v, g, beta)), scale)
+    o[longer_rows] = recurrence_in_pool(*(x[longer_rows] for x in (q, k, v, g, beta)), pool,
+                                        slots[longer], longer_cu, scale)
+    return o
 
 
 @lru_cache(maxsize=16)
