@@ -154,3 +154,27 @@ def test_native_bf16_packs_bf16_and_takes_it_at_every_row_count(monkeypatch):
     w32 = big_weight()  # fp32 weights keep the fp32 packing and its row range
     assert linear_mod.pack_weight(w32).dtype == torch.float32
     assert linear_mod.packed_bytes(w32) == w32.numel() * 4
+
+
+@needs_onednn
+def test_bf16_packed_gemm_of_few_rows_runs_padded_and_batch_invariant(monkeypatch):
+    """1-3 rows through a bf16 packed copy run as ``PAD_ROWS`` rows (oneDNN is faster there),
+    so a row's bits do not depend on how many rows share its step, up to ``PAD_ROWS``; a
+    transposed (routed expert) weight's copy too."""
+    monkeypatch.setattr(linear_mod, "_EMULATED_BF16", False)
+    shapes = []
+    real = linear_mod.packed_linear
+    monkeypatch.setattr(linear_mod, "packed_linear",
+                        lambda x, p: (shapes.append(tuple(x.shape)), real(x, p))[1])
+    w = big_weight(torch.bfloat16)
+    x = torch.randn(linear_mod.PAD_ROWS, w.shape[1],
+                    generator=torch.Generator().manual_seed(9)).bfloat16()
+    for weight in (w, w.t().contiguous().t()):
+        packed = linear_mod.pack_weight(weight)
+        full = linear_mod.linear(x, weight, packed)
+        for rows in range(1, linear_mod.PAD_ROWS):
+            shapes.clear()
+            out = linear_mod.linear(x[:rows].view(1, rows, -1), weight, packed)
+            assert shapes == [(linear_mod.PAD_ROWS, w.shape[1])]
+            assert out.shape == (1, rows, w.shape[0])
+            assert torch.equal(out[0], full[:rows])
