@@ -20,7 +20,7 @@ from model_runner.ops.linear_attention import (
     delta_rule_prefill,
     recurrence_in_pool,
 )
-from model_runner.ops.short_conv import conv_decode, conv_varlen
+from model_runner.ops.short_conv import conv_decode_into, conv_varlen
 from model_runner.parallel import TPGroup
 from model_runner.pools import KVPool, StatePool
 
@@ -42,8 +42,7 @@ def short_conv(mixed: torch.Tensor, weight: torch.Tensor, ctx: StepContext, laye
     batch, pool = ctx.batch, ctx.state.conv[layer]
     slots = batch.state_slots
     if batch.is_decode:
-        out, pool[slots] = conv_decode(mixed, weight, pool[slots])
-        return out
+        return conv_decode_into(mixed, weight, pool, slots)
     snap, r = batch.snapshots, batch.num_replays  # replays lead the batch and have no cuts
     cuts = [(r + i, cut, slot) for i, pairs in enumerate(snap.cuts) for cut, slot in pairs
             ] if snap is not None else []
