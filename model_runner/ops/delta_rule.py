@@ -295,9 +295,14 @@ def _chunk_factors(q, k, v, g, beta, scale: float) -> tuple[torch.Tensor, ...]:
     strict = ~causal | torch.eye(chunk_size, dtype=torch.bool, device=q.device)
     lower = kk.masked_fill_(strict, 0.0)
     lower.diagonal(dim1=-2, dim2=-1).fill_(1.0)  # I + strictly-lower(k_beta k^T ⊙ decay)
-    # T = lower^{-1}; u = T v_beta, w = T (k_beta ⊙ exp(G))
-    u = torch.linalg.solve_triangular(lower, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(lower, k_decayed, upper=False, unitriangular=True)
+    # T = lower^{-1}; u = T v_beta, w = T (k_beta ⊙ exp(G)).  T is formed explicitly, as fla's
+    # kernels do, and applied by two products: solving for the [C, C] identity and multiplying
+    # cost 0.6x the two solves for the [C, V] and [C, K] right-hand sides (GDN at Qwen3-Next's
+    # shapes, 1,024 tokens, one core: 36 against 57 ms), and differ from them by ~2e-7 of
+    # their scale
+    eye = torch.eye(chunk_size, dtype=lower.dtype, device=q.device).expand_as(lower)
+    inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)
+    u, w = inverse @ v_beta, inverse @ k_decayed
     qk = qk.masked_fill_(~causal, 0.0)
     k_tail_t = k_tail.transpose(-1, -2)
 

@@ -14,7 +14,10 @@ on the same rows, so both give the same bits.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
+import torch.nn.functional as F
 
 
 def decode_step(
@@ -78,9 +81,31 @@ def _update(flat: torch.Tensor, kq, qk, v, beta, decay, k_f, in_place: bool = Tr
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' states ``flat`` [BH, K, V] advanced by one token: (o [BH, 1, V], new states,
     ``flat`` itself when ``in_place``)."""
-    proj = torch.bmm(kq, flat)  # [BH, 2, V]: (d k)^T S, (d q)^T S
+    proj = _project(kq, flat)  # [BH, 2, V]: (d k)^T S, (d q)^T S
     delta = (v - proj[:, :1]) * beta
     o = proj[:, 1:] + qk * delta
     if in_place:
         return o, flat.mul_(decay).addcmul_(k_f, delta)
     return o, torch.addcmul(flat * decay, k_f, delta)
+
+
+def _project(kq: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``bmm(kq, flat)`` ([BH, 2, K] x [BH, K, V]) as two weighted sums of each state's K rows,
+    one ``embedding_bag`` bag per product: torch's bmm runs a GEMM per head, which at M = 2
+    spends its time on call overhead (Qwen3-Next's 32 heads of 128, one core: 0.35 against
+    0.14 ms, the state read once in 0.09 ms).  The sum runs over k in order, in FP32."""
+    rows, k_dim, v_dim = flat.shape
+    bags = kq.shape[1]
+    index = _bag_rows(rows, bags, k_dim, flat.device)
+    out = F.embedding_bag(index, flat.reshape(rows * k_dim, v_dim),
+                          per_sample_weights=kq.reshape(rows * bags, k_dim), mode="sum")
+    return out.view(rows, bags, v_dim)
+
+
+@lru_cache(maxsize=32)
+def _bag_rows(rows: int, bags: int, k_dim: int, device: torch.device) -> torch.Tensor:
+    """Bag j of row r sums rows [r*K, (r+1)*K) of the flattened states: [rows * bags, K].
+    Made outside inference mode, so that autograd may save it after an inference call."""
+    with torch.inference_mode(False):
+        start = torch.arange(rows, device=device).repeat_interleave(bags) * k_dim
+        return start[:, None] + torch.arange(k_dim, device=device)
