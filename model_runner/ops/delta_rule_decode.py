@@ -2,9 +2,9 @@
 update, which the tests loop as the reference).
 
 At decode the state is most of the bytes a linear layer moves (2 MiB a sequence at Qwen3-Next's
-shapes), so each row's state [K, V] is read twice and written once: one product projects it on
-the decayed key and query together (``k^T (D S) = (d k)^T S``), then ``D S + k delta^T`` is
-written in two in-place passes.  The output reads the old state's projection:
+shapes), so each row's state [K, V] is read three times and written twice: one pass projects
+it on the decayed key and query together (``k^T (D S) = (d k)^T S``), then ``D S + k delta^T``
+is written in two in-place passes.  The output reads the old state's projection:
 ``q^T S' = (d q)^T S + (q . k) delta``.
 
 ``decode_step`` updates a batch of states (a caller's gathered copy); ``decode_into`` updates
@@ -71,7 +71,7 @@ def _operands(q, k, v, g, beta, num_heads: int, scale: float) -> tuple[torch.Ten
     decay = g.float().exp().reshape(rows, -1, 1)  # [BH, 1, 1] (GDN) or [BH, K, 1] (KDA)
     k_f = k.float().reshape(rows, k_dim, 1)
     q_f = q.float().reshape(rows, k_dim, 1) * scale
-    kq = torch.cat([k_f * decay, q_f * decay], dim=2).transpose(1, 2)
+    kq = torch.stack([k_f * decay, q_f * decay], dim=1).view(rows, 2, k_dim)  # contiguous
     qk = (q_f * k_f).sum(dim=1, keepdim=True)
     return (kq, qk, v.float().reshape(rows, 1, -1), beta.float().reshape(rows, 1, 1), decay,
             k_f)

@@ -100,23 +100,9 @@ def _columns(weight: torch.Tensor) -> torch.Tensor:
 
 def conv_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per sequence. x: [B, C]; states: [B, C, kernel - 1] -> ([B, C], new states)."""
-    return _decode(x, weight, states)
-
-
-def conv_decode_into(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
-                     slots: torch.Tensor) -> torch.Tensor:
-    """``conv_decode`` of the sequences whose states are ``pool[slots]`` ([S, C, kernel - 1]),
-    the new states written back into their slots."""
-    out, new_states = _decode(x, weight, pool.index_select(0, slots))
-    pool.index_copy_(0, slots, new_states)
-    return out
-
-
-def _decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The window sum over token-major rows ``[state ; x]``, as ``conv_varlen`` computes it, so
-    the decode gives the prefill's bits (no ``torch.cat`` along the kernel axis: at real
+    """One token per sequence. x: [B, C]; states: [B, C, kernel - 1] -> ([B, C], new states).
+    The window sum runs over token-major rows ``[state ; x]``, as ``conv_varlen`` computes it,
+    so the decode gives the prefill's bits (no ``torch.cat`` along the kernel axis: at real
     shapes, 8,192 channels, it cost 55 us)."""
     batch, channels, width = states.shape
     rows = x.new_empty(batch, width + 1, channels, dtype=torch.float32)
@@ -126,3 +112,12 @@ def _decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
     # contiguous: index_copy_ from the strided view took 77 us
     new_states = rows[:, 1:].transpose(1, 2).to(states.dtype, memory_format=torch.contiguous_format)
     return F.silu(out.to(weight.dtype)).to(x.dtype), new_states
+
+
+def conv_decode_into(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+    """``conv_decode`` of the sequences whose states are ``pool[slots]`` ([S, C, kernel - 1]),
+    the new states written back into their slots."""
+    out, new_states = conv_decode(x, weight, pool.index_select(0, slots))
+    pool.index_copy_(0, slots, new_states)
+    return out
