@@ -22,7 +22,13 @@ from runner_scenarios import Pages
 
 from model_runner.batch import SeqInput
 from model_runner.layers.attention import causal_attention
-from model_runner.layers.mla import absorb_query, latent_attention, split_kv_b, up_project_values
+from model_runner.layers.mla import (
+    absorb_query,
+    latent_attention,
+    split_kv_b,
+    up_project_values,
+    value_projection,
+)
 from model_runner.models.kimi_linear import MLAttention
 
 
@@ -44,14 +50,31 @@ def test_latent_attention_at_kimi_shapes(context):
     q = torch.randn(1, heads, nope + rope, generator=gen)
     scale = (nope + rope) ** -0.5
     ref = expanded_decode(q, rows, w_kv_b, heads, nope, kv_lora, scale)
-    w_uk, w_uv = split_kv_b(w_kv_b, heads, nope)
+    w_uk, w_uv_t = split_kv_b(w_kv_b, heads, nope)[0], value_projection(w_kv_b, heads, nope)
     o_lat = latent_attention(absorb_query(q, w_uk), rows[None], kv_lora, scale)
-    assert_near(up_project_values(o_lat, w_uv), ref)
+    assert_near(up_project_values(o_lat, w_uv_t), ref)
     # the padded table form: columns past the length are masked
     padded = torch.cat([rows, torch.randn(7, kv_lora + rope, generator=gen) * 50])[None]
     o_pad = latent_attention(absorb_query(q, w_uk), padded, kv_lora, scale,
                              torch.tensor([context]))
-    assert_near(up_project_values(o_pad, w_uv), ref)
+    assert_near(up_project_values(o_pad, w_uv_t), ref)
+
+
+def test_value_projection_is_kept_gives_the_views_bits_and_follows_the_weight():
+    """The CPU keeps W_uv^T as a contiguous copy on kv_b_proj's weight: the up-projection
+    through it has the bits of the transposed view's, the copy is made once, and an in-place
+    change of the weight makes it again."""
+    heads, nope, dv, kv_lora = 32, 128, 128, 512
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(heads * (nope + dv), kv_lora, generator=gen).bfloat16()
+    o_lat = torch.randn(2, heads, kv_lora, generator=gen).bfloat16()
+    kept = value_projection(weight, heads, nope)
+    assert kept.is_contiguous() and value_projection(weight, heads, nope) is kept
+    view = split_kv_b(weight, heads, nope)[1].transpose(1, 2)
+    assert torch.equal(up_project_values(o_lat, kept), up_project_values(o_lat, view))
+    weight.mul_(2)
+    again = value_projection(weight, heads, nope)
+    assert again is not kept and torch.equal(again, 2 * kept)
 
 
 def set_absorbed(runner, on: bool) -> int:

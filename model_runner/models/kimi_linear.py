@@ -24,7 +24,13 @@ from model_runner.layers.linear import (
     new_param,
     rank_slice,
 )
-from model_runner.layers.mla import absorb_query, latent_attention, split_kv_b, up_project_values
+from model_runner.layers.mla import (
+    absorb_query,
+    latent_attention,
+    split_kv_b,
+    up_project_values,
+    value_projection,
+)
 from model_runner.layers.norm import GatedRMSNorm, RMSNorm
 from model_runner.models.common import (
     DecoderLayer,
@@ -137,12 +143,14 @@ class MLAttention(nn.Module):
         cu = batch.cu_seqlens
         if not self.absorb_decode or not (batch.is_static or batch.single_queries):
             return paged_attention(batch, q, cache, self._expand, self.scale)
-        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, cfg.qk_nope_head_dim)
+        weight, nope = self.kv_b_proj.weight, cfg.qk_nope_head_dim
+        w_uk = split_kv_b(weight, self.num_heads, nope)[0]
+        w_uv_t = value_projection(weight, self.num_heads, nope)
         if batch.is_static:  # one query per sequence over its row table [B, C]
             rows = cache[batch.kv_table.reshape(-1)].view(*batch.kv_table.shape, -1)
             o_lat = latent_attention(absorb_query(q, w_uk), rows, cfg.kv_lora_rank, self.scale,
                                      batch.kv_lens)
-            return up_project_values(o_lat, w_uv)
+            return up_project_values(o_lat, w_uv_t)
         out = q.new_empty(q.shape[0], self.num_heads, cfg.v_head_dim)
         singles = batch.single_queries
         q_abs = absorb_query(q[singles.rows], w_uk)  # [S, H, kv_lora + rope]
@@ -153,7 +161,7 @@ class MLAttention(nn.Module):
             o_lat = torch.cat([latent_attention(q_abs[j, None], cache[batch.kv_read_index[i]][None],
                                                 cfg.kv_lora_rank, self.scale)
                                for j, i in enumerate(singles.seqs)])  # [S, H, kv_lora]
-        out[singles.rows] = up_project_values(o_lat, w_uv)
+        out[singles.rows] = up_project_values(o_lat, w_uv_t)
         for i in range(batch.num_seqs):
             a, b = cu[i], cu[i + 1]
             if b - a > 1:

@@ -12,6 +12,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from model_runner.ops.derived import derived
+
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,16 +88,9 @@ def _window_sum(rows: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
 
 
 def _columns(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [C, kernel] as contiguous FP32 columns [kernel, C], kept on the weight while
-    it is unchanged (a transposing copy per call cost 20 us at 8,192 channels)."""
-    if weight.requires_grad or weight.is_inference():  # (an inference tensor has no version)
-        return weight.t().float().contiguous()
-    cached = getattr(weight, "_conv_columns", None)
-    if cached is None or cached[0] != weight._version:
-        with torch.inference_mode(False):  # autograd may save it after an inference call
-            cached = (weight._version, weight.detach().t().float().contiguous())
-        weight._conv_columns = cached
-    return cached[1]
+    """``weight`` [C, kernel] as contiguous FP32 columns [kernel, C], kept on the weight
+    (``derived``)."""
+    return derived(weight, "_conv_columns", lambda w: w.t().float().contiguous())
 
 
 def conv_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
