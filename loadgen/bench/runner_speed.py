@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--decode-context", type=int, default=64, metavar="N",
+                   help="tokens each decoding sequence holds before its first timed step "
+                        "(at most --prompt-len; default 64)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
@@ -63,6 +66,8 @@ def main() -> None:
         p.error("--mixed-chunks must be in [1, --prompt-len]")
     if args.mixed_decodes < 1:
         p.error("--mixed-decodes must be at least 1")
+    if not 0 < args.decode_context <= args.prompt_len:
+        p.error("--decode-context must be in [1, --prompt-len]")
     max_batch = max(*args.decode_batch, args.mixed_decodes + 1 if args.mixed_chunks else 1)
     per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
@@ -102,7 +107,7 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile),
               flush=True)
 
-    short = prompt[:64]
+    short = prompt[: args.decode_context]
     for batch in args.decode_batch:
         seqs = [SeqInput(short, 0, tables[i], i + 1) for i in range(batch)]
         runner.forward(seqs)
@@ -117,7 +122,8 @@ def main() -> None:
             sync(device)
             steps.append(time.perf_counter() - start)
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
-               decode_path=decode_path, step_ms=1000 * statistics.median(steps))
+               context=args.decode_context, decode_path=decode_path,
+               step_ms=1000 * statistics.median(steps))
     for chunk in args.mixed_chunks:
         # B sequences decode at their contexts; another (its own slot) prefills `chunk` tokens
         decodes = [SeqInput([7], len(short) + args.decode_steps, tables[i], i + 1)

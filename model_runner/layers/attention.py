@@ -117,15 +117,20 @@ def _grouped_decode(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
     [B, H, Dv].  The r = H / Hkv query heads of a KV head attend as one [r, D] block against
     its keys, so the keys and values are never repeated r times (at Qwen3-Next's 16 / 2 heads
     the repeat, and the copies that laid it out for the products, cost more than the
-    products).  Rounded to q's dtype where a dtype product would round (``_work_dtype``)."""
+    products).  The keys and values are copied head-major first: torch's CPU matmul over the
+    token-major views took 4x as long, copy included, with the same bits (Qwen3-Next's
+    shapes, bf16, one core: 9.1 against 2.2 ms for two sequences of 2,048 tokens).  Rounded
+    to q's dtype where a dtype product would round (``_work_dtype``)."""
     num_seqs, width, num_kv = k.shape[:3]
     dtype, work = q.dtype, _work_dtype(q)
     queries = q.to(work).view(num_seqs, num_kv, -1, q.shape[-1])  # [B, Hkv, r, D]
-    scores = torch.matmul(queries, k.to(work).permute(0, 2, 3, 1)).to(dtype) * scale
+    keys = k.transpose(1, 2).to(work).contiguous()  # [B, Hkv, C, D]
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).to(dtype) * scale
     padding = torch.arange(width, device=q.device)[None] >= lens[:, None]  # [B, C]
     scores = scores.masked_fill(padding[:, None, None], float("-inf"))  # [B, Hkv, r, C]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-    out = torch.matmul(probs.to(work), v.to(work).transpose(1, 2))  # [B, Hkv, r, Dv]
+    values = v.transpose(1, 2).to(work).contiguous()  # [B, Hkv, C, Dv]
+    out = torch.matmul(probs.to(work), values)  # [B, Hkv, r, Dv]
     return out.to(dtype).reshape(num_seqs, q.shape[1], -1)
 
 
