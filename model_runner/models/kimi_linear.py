@@ -14,7 +14,12 @@ import torch
 from torch import nn
 
 from model_runner.config import ModelConfig
-from model_runner.layers.attention import causal_attention, paged_attention, store_kv
+from model_runner.layers.attention import (
+    causal_attention,
+    gather_rows,
+    paged_attention,
+    store_kv,
+)
 from model_runner.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -147,7 +152,7 @@ class MLAttention(nn.Module):
         w_uk = split_kv_b(weight, self.num_heads, nope)[0]
         w_uv_t = value_projection(weight, self.num_heads, nope)
         if batch.is_static:  # one query per sequence over its row table [B, C]
-            rows = cache[batch.kv_table.reshape(-1)].view(*batch.kv_table.shape, -1)
+            rows = gather_rows(cache, batch.kv_table)
             o_lat = latent_attention(absorb_query(q, w_uk), rows, cfg.kv_lora_rank, self.scale,
                                      batch.kv_lens)
             return up_project_values(o_lat, w_uv_t)
@@ -155,17 +160,18 @@ class MLAttention(nn.Module):
         singles = batch.single_queries
         q_abs = absorb_query(q[singles.rows], w_uk)  # [S, H, kv_lora + rope]
         if singles.table is not None:  # one padded batch, else one attention per sequence
-            o_lat = latent_attention(q_abs, cache[singles.table], cfg.kv_lora_rank, self.scale,
-                                     singles.lens)
+            o_lat = latent_attention(q_abs, gather_rows(cache, singles.table), cfg.kv_lora_rank,
+                                     self.scale, singles.lens)
         else:
-            o_lat = torch.cat([latent_attention(q_abs[j, None], cache[batch.kv_read_index[i]][None],
+            o_lat = torch.cat([latent_attention(q_abs[j, None],
+                                                gather_rows(cache, batch.kv_read_index[i][None]),
                                                 cfg.kv_lora_rank, self.scale)
                                for j, i in enumerate(singles.seqs)])  # [S, H, kv_lora]
         out[singles.rows] = up_project_values(o_lat, w_uv_t)
         for i in range(batch.num_seqs):
             a, b = cu[i], cu[i + 1]
             if b - a > 1:
-                k, v = self._expand(cache[batch.kv_read_index[i]])
+                k, v = self._expand(gather_rows(cache, batch.kv_read_index[i]))
                 out[a:b] = causal_attention(q[a:b], k, v, batch.prefix_lens[i], self.scale)
         return out
 
