@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model_runner.layers.attention import (
+    EACH_MIN_ROWS,
     _sdpa_causal,
     _sdpa_table,
     causal_attention,
@@ -54,23 +55,42 @@ def test_sdpa_row_table_equals_the_explicit_softmax(kv_heads):
     torch.testing.assert_close(table_decode_attention(table, lens, q, cache, expand, 0.5), want)
 
 
-def test_cpu_decode_over_head_major_copies_gives_the_token_major_views_bits():
-    """The CPU decode copies keys and values head-major before its products (4x faster at
-    Qwen3-Next's shapes); the products over the token-major views the table gathers gave the
-    same bits.  bf16, 16 query heads over 2 KV heads of 256, two sequences, one padded."""
-    gen = torch.Generator().manual_seed(5)
-    cache = torch.randn(700, 2, 2, 256, generator=gen).bfloat16()
-    table = torch.randperm(700, generator=gen)[:600].view(2, 300)
-    lens = torch.tensor([300, 211])
-    q = torch.randn(2, 16, 256, generator=gen).bfloat16()
-    rows = cache[table.reshape(-1)]
-    k, v = rows[:, 0].view(2, 300, 2, 256), rows[:, 1].view(2, 300, 2, 256)
-    queries = q.view(2, 2, 8, 256)
-    scores = torch.matmul(queries, k.permute(0, 2, 3, 1)) * 256**-0.5
-    scores = scores.masked_fill((torch.arange(300)[None] >= lens[:, None])[:, None, None],
+def _token_major_decode(q, k, v, lens, scale):
+    """The CPU decode as it was: products over the token-major views of the gathered rows."""
+    num_seqs, width, num_kv = k.shape[:3]
+    queries = q.view(num_seqs, num_kv, -1, q.shape[-1])
+    scores = torch.matmul(queries, k.permute(0, 2, 3, 1)) * scale
+    scores = scores.masked_fill((torch.arange(width)[None] >= lens[:, None])[:, None, None],
                                 float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).bfloat16()
-    want = torch.matmul(probs, v.transpose(1, 2)).reshape(2, 16, 256)
-    got = table_decode_attention(table, lens, q, cache, lambda kv: (kv[:, 0], kv[:, 1]),
-                                 256**-0.5)
-    assert torch.equal(got, want)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(num_seqs, q.shape[1], -1)
+
+
+@pytest.mark.parametrize("width", [300, 600], ids=["head-major-copies", "each-sequence"])
+def test_cpu_decode_forms_give_the_token_major_views_bits(width):
+    """Both CPU decode forms against the products over the token-major views: bf16, 16 query
+    heads over 2 KV heads of 256.  Below ``EACH_MIN_ROWS`` rows the batched form over
+    head-major copies gives their bits, padded sequences included; from it on each sequence
+    and KV head runs alone over its own rows, with the bits of its table alone (no padding)."""
+    assert (width >= EACH_MIN_ROWS) == (width == 600)
+    gen = torch.Generator().manual_seed(width)
+    cache = torch.randn(1300, 2, 2, 256, generator=gen).bfloat16()
+    table = torch.randperm(1300, generator=gen)[: 2 * width].view(2, width)
+    lens = torch.tensor([width, width - 89])
+    q = torch.randn(2, 16, 256, generator=gen).bfloat16()
+
+    def expand(kv):
+        return kv[:, 0], kv[:, 1]
+
+    def views(tab):
+        k, v = expand(cache[tab.reshape(-1)])
+        return k.view(*tab.shape, 2, 256), v.view(*tab.shape, 2, 256)
+
+    got = table_decode_attention(table, lens, q, cache, expand, 256**-0.5)
+    if width < EACH_MIN_ROWS:
+        assert torch.equal(got, _token_major_decode(q, *views(table), lens, 256**-0.5))
+        return
+    for i in range(2):
+        alone = table[i : i + 1, : lens[i]]
+        want = _token_major_decode(q[i : i + 1], *views(alone), lens[i : i + 1], 256**-0.5)
+        assert torch.equal(got[i : i + 1], want)

@@ -121,15 +121,27 @@ def table_decode_attention(table: torch.Tensor, lens: torch.Tensor, q: torch.Ten
     return _grouped_decode(q, k, v, lens, scale)
 
 
+# A CPU decode over a row table at least this wide runs one product pair per sequence and KV
+# head on the rows as they lie (``_decode_each``), below it one batched pair over head-major
+# copies.  torch.mm reads a strided [len, D] view in place, where the batched products need the
+# copies (over the views themselves they took 4x as long); the per-pair calls cost ~80 us each.
+# Qwen3-Next's 16 / 2 heads of 256, bf16, one core: equal at 2 x 512 rows, 1.4 against 1.2 ms
+# at 2 x 1,024, 9.4 against 30.9 ms at 16 x 1,024, 4.1 against 6.8 ms at 1 x 8,192; 4.3
+# against 2.2 ms at 15 x 300.  Both give the same bits for a sequence that fills the table.
+EACH_MIN_ROWS = 512
+
+
 def _grouped_decode(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
     """CPU: q [B, H, D] over k [B, C, Hkv, D], v [B, C, Hkv, Dv], keys [lens, C) masked ->
     [B, H, Dv].  The r = H / Hkv query heads of a KV head attend as one [r, D] block against
     its keys, so the keys and values are never repeated r times (at Qwen3-Next's 16 / 2 heads
     the repeat, and the copies that laid it out for the products, cost more than the
-    products).  The keys and values are copied head-major first: torch's CPU matmul over the
-    token-major views took 4x as long, copy included, with the same bits (Qwen3-Next's
-    shapes, bf16, one core: 9.1 against 2.2 ms for two sequences of 2,048 tokens).  Rounded
-    to q's dtype where a dtype product would round (``_work_dtype``)."""
+    products).  Short tables: the keys and values are copied head-major first (torch's CPU
+    matmul over the token-major views took 4x as long, copies included, with the same bits);
+    wide ones go to ``_decode_each`` (``EACH_MIN_ROWS``).  Rounded to q's dtype where a dtype
+    product would round (``_work_dtype``)."""
+    if k.shape[1] >= EACH_MIN_ROWS:
+        return _decode_each(q, k, v, lens, scale)
     num_seqs, width, num_kv = k.shape[:3]
     dtype, work = q.dtype, _work_dtype(q)
     queries = q.to(work).view(num_seqs, num_kv, -1, q.shape[-1])  # [B, Hkv, r, D]
@@ -141,6 +153,22 @@ def _grouped_decode(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
     values = v.transpose(1, 2).to(work).contiguous()  # [B, Hkv, C, Dv]
     out = torch.matmul(probs.to(work), values)  # [B, Hkv, r, Dv]
     return out.to(dtype).reshape(num_seqs, q.shape[1], -1)
+
+
+def _decode_each(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``_grouped_decode`` one sequence and KV head at a time, over its first ``lens`` rows as
+    they lie in the gathered table (no copies, no padding: a sequence gets the bits it gets
+    alone)."""
+    num_seqs, _, num_kv = k.shape[:3]
+    dtype, work = q.dtype, _work_dtype(q)
+    queries = q.to(work).view(num_seqs, num_kv, -1, q.shape[-1])  # [B, Hkv, r, D]
+    out = q.new_empty(num_seqs, num_kv, queries.shape[2], v.shape[-1])
+    for b, n in enumerate(lens.tolist()):
+        for h in range(num_kv):
+            scores = torch.mm(queries[b, h], k[b, :n, h].to(work).t()).to(dtype) * scale
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+            out[b, h] = torch.mm(probs.to(work), v[b, :n, h].to(work))
+    return out.reshape(num_seqs, q.shape[1], -1)
 
 
 def _sdpa_table(q, k, v, lens: torch.Tensor, scale: float) -> torch.Tensor:
