@@ -86,9 +86,9 @@ def _sdpa_causal(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
 
 def gather_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``cache[index]`` for pool rows ``index`` (any shape), as one ``index_select`` over the
-    flattened rows: the same copy, 3-4x faster on a CPU at real shapes (2,048 rows of Qwen3-Next
-    KV, [2, 2, 256] bf16: 1.2 against 4.1 ms; Kimi-Linear's 576-wide latent rows 0.46 against
-    2.1 ms), where advanced indexing walks the trailing dims element by element."""
+    flattened rows: the same copy, 3-4x faster on a CPU at real shapes (4,096 rows of Qwen3-Next
+    KV, [2, 2, 256] bf16: 1.2 against 4.1 ms; as many of Kimi-Linear's 576-wide latent rows
+    0.46 against 2.1 ms), where advanced indexing walks the trailing dims element by element."""
     rows = cache.flatten(1).index_select(0, index.reshape(-1))
     return rows.view(*index.shape, *cache.shape[1:])
 
