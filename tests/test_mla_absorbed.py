@@ -24,7 +24,9 @@ from model_runner.batch import SeqInput
 from model_runner.layers.attention import causal_attention
 from model_runner.layers.mla import (
     absorb_query,
+    absorbs_chunk,
     latent_attention,
+    latent_causal_attention,
     split_kv_b,
     up_project_values,
     value_projection,
@@ -111,3 +113,50 @@ def test_absorbed_decode_equals_expanded(name, overrides, max_bs, tmp_path):
         s.token_ids = [7]
     mixed = [*decodes, SeqInput(prompt.token_ids[10:], 10, prompt.page_table, 5)]
     assert_near(absorbed.forward(mixed), expanded.forward(mixed))
+
+
+def test_latent_causal_attention_at_kimi_shapes():
+    """A chunk of 5 queries after 40 cached rows, absorbed, against the expanded reference with
+    the same lower-right causal mask (query i sees rows [0, 40 + i]); FP32."""
+    heads, nope, rope, dv, kv_lora, prefix, num = 32, 128, 64, 128, 512, 40, 5
+    gen = torch.Generator().manual_seed(9)
+    w_kv_b = torch.randn(heads * (nope + dv), kv_lora, generator=gen) * kv_lora**-0.5
+    rows = torch.randn(prefix + num, kv_lora + rope, generator=gen)
+    q = torch.randn(num, heads, nope + rope, generator=gen)
+    scale = (nope + rope) ** -0.5
+    latent, k_rot = rows[:, :kv_lora], rows[:, kv_lora:]
+    kv = F.linear(latent, w_kv_b).view(rows.shape[0], heads, -1)
+    k = torch.cat([kv[..., :nope], k_rot[:, None].expand(-1, heads, -1)], dim=-1)
+    ref = causal_attention(q, k, kv[..., nope:], prefix, scale)
+    w_uk = split_kv_b(w_kv_b, heads, nope)[0]
+    o_lat = latent_causal_attention(absorb_query(q, w_uk), rows, prefix, kv_lora, scale)
+    assert_near(up_project_values(o_lat, value_projection(w_kv_b, heads, nope)), ref)
+    assert not torch.allclose(ref[0], ref[-1])  # the mask matters
+
+
+def test_absorbs_a_short_chunk_after_a_long_prefix_only():
+    kimi = dict(num_heads=32, nope=128, rope=64, v_dim=128, kv_lora=512)
+    assert absorbs_chunk(50, 2000, **kimi) and absorbs_chunk(2, 10, **kimi)
+    assert not absorbs_chunk(128, 0, **kimi)  # a fresh prompt: its rows are its queries
+    assert not absorbs_chunk(400, 100_000, **kimi)  # past ~170 queries expanding wins
+
+
+def test_absorbed_chunk_after_a_prefix_equals_expanded(tmp_path):
+    """Through the model: a 4-token chunk after a 40-token prefix takes the absorbed form (and
+    the prefix's own prefill the expanded one); the logits equal the expanded runner's."""
+    make_model("kda", tmp_path, seed=12)
+    absorbed, expanded = new_runner(tmp_path, "cpu", 0), new_runner(tmp_path, "cpu", 0)
+    assert set_absorbed(absorbed, True) == set_absorbed(expanded, False) == 2
+    attn = next(m for m in absorbed.model.modules() if isinstance(m, MLAttention))
+    cfg = attn.cfg
+    dims = (attn.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+            cfg.kv_lora_rank)
+    assert absorbs_chunk(4, 40, *dims) and not absorbs_chunk(40, 0, *dims)
+    table = Pages(160).take(60)
+    tokens = list(range(3, 47))
+    for runner in (absorbed, expanded):
+        runner.forward([SeqInput(tokens[:40], 0, table, 3)])
+    got = absorbed.forward([SeqInput(tokens[40:], 40, table, 3)], all_logits=True)
+    want = expanded.forward([SeqInput(tokens[40:], 40, table, 3)], all_logits=True)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert_near(got, want)

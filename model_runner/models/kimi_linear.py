@@ -31,7 +31,9 @@ from model_runner.layers.linear import (
 )
 from model_runner.layers.mla import (
     absorb_query,
+    absorbs_chunk,
     latent_attention,
+    latent_causal_attention,
     split_kv_b,
     up_project_values,
     value_projection,
@@ -142,11 +144,12 @@ class MLAttention(nn.Module):
         return self.o_proj(self._attention(ctx.batch, q, cache).reshape(n, -1))
 
     def _attention(self, batch, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """q [N, H, qk] -> [N, H, Dv]: absorbed for one-token sequences (decode, the static step),
-        expanded for longer ones (prefill chunks)."""
+        """q [N, H, qk] -> [N, H, Dv]: absorbed for one-token sequences (decode, the static step)
+        and for chunks that cost less so (``absorbs_chunk``: a short chunk after a long prefix),
+        expanded for the others (prefill of a fresh prompt)."""
         cfg = self.cfg
         cu = batch.cu_seqlens
-        if not self.absorb_decode or not (batch.is_static or batch.single_queries):
+        if not self.absorb_decode:
             return paged_attention(batch, q, cache, self._expand, self.scale)
         weight, nope = self.kv_b_proj.weight, cfg.qk_nope_head_dim
         w_uk = split_kv_b(weight, self.num_heads, nope)[0]
@@ -158,21 +161,29 @@ class MLAttention(nn.Module):
             return up_project_values(o_lat, w_uv_t)
         out = q.new_empty(q.shape[0], self.num_heads, cfg.v_head_dim)
         singles = batch.single_queries
-        q_abs = absorb_query(q[singles.rows], w_uk)  # [S, H, kv_lora + rope]
-        if singles.table is not None:  # one padded batch, else one attention per sequence
-            o_lat = latent_attention(q_abs, gather_rows(cache, singles.table), cfg.kv_lora_rank,
-                                     self.scale, singles.lens)
-        else:
-            o_lat = torch.cat([latent_attention(q_abs[j, None],
-                                                gather_rows(cache, batch.kv_read_index[i][None]),
-                                                cfg.kv_lora_rank, self.scale)
-                               for j, i in enumerate(singles.seqs)])  # [S, H, kv_lora]
-        out[singles.rows] = up_project_values(o_lat, w_uv_t)
+        if singles is not None:
+            q_abs = absorb_query(q[singles.rows], w_uk)  # [S, H, kv_lora + rope]
+            if singles.table is not None:  # one padded batch, else one attention per sequence
+                o_lat = latent_attention(q_abs, gather_rows(cache, singles.table),
+                                         cfg.kv_lora_rank, self.scale, singles.lens)
+            else:
+                reads = [gather_rows(cache, batch.kv_read_index[i][None]) for i in singles.seqs]
+                o_lat = torch.cat([latent_attention(q_abs[j, None], rows, cfg.kv_lora_rank,
+                                                    self.scale)
+                                   for j, rows in enumerate(reads)])  # [S, H, kv_lora]
+            out[singles.rows] = up_project_values(o_lat, w_uv_t)
         for i in range(batch.num_seqs):
-            a, b = cu[i], cu[i + 1]
-            if b - a > 1:
-                k, v = self._expand(gather_rows(cache, batch.kv_read_index[i]))
-                out[a:b] = causal_attention(q[a:b], k, v, batch.prefix_lens[i], self.scale)
+            a, b, prefix = cu[i], cu[i + 1], batch.prefix_lens[i]
+            if b - a == 1:
+                continue
+            rows = gather_rows(cache, batch.kv_read_index[i])
+            if absorbs_chunk(b - a, prefix, self.num_heads, nope, cfg.qk_rope_head_dim,
+                             cfg.v_head_dim, cfg.kv_lora_rank):
+                o_lat = latent_causal_attention(absorb_query(q[a:b], w_uk), rows, prefix,
+                                                cfg.kv_lora_rank, self.scale)
+                out[a:b] = up_project_values(o_lat, w_uv_t)
+            else:
+                out[a:b] = causal_attention(q[a:b], *self._expand(rows), prefix, self.scale)
         return out
 
 
