@@ -21,6 +21,7 @@ from random_checkpoints import make_model
 from runner_scenarios import Pages
 
 from model_runner.batch import SeqInput
+from model_runner.layers import mla
 from model_runner.layers.attention import causal_attention
 from model_runner.layers.mla import (
     absorb_query,
@@ -115,9 +116,10 @@ def test_absorbed_decode_equals_expanded(name, overrides, max_bs, tmp_path):
     assert_near(absorbed.forward(mixed), expanded.forward(mixed))
 
 
-def test_latent_causal_attention_at_kimi_shapes():
+def test_latent_causal_attention_at_kimi_shapes(monkeypatch):
     """A chunk of 5 queries after 40 cached rows, absorbed, against the expanded reference with
-    the same lower-right causal mask (query i sees rows [0, 40 + i]); FP32."""
+    the same lower-right causal mask (query i sees rows [0, 40 + i]); FP32.  Then with the
+    scores held two queries at a time (``MAX_SCORES``)."""
     heads, nope, rope, dv, kv_lora, prefix, num = 32, 128, 64, 128, 512, 40, 5
     gen = torch.Generator().manual_seed(9)
     w_kv_b = torch.randn(heads * (nope + dv), kv_lora, generator=gen) * kv_lora**-0.5
@@ -132,6 +134,9 @@ def test_latent_causal_attention_at_kimi_shapes():
     o_lat = latent_causal_attention(absorb_query(q, w_uk), rows, prefix, kv_lora, scale)
     assert_near(up_project_values(o_lat, value_projection(w_kv_b, heads, nope)), ref)
     assert not torch.allclose(ref[0], ref[-1])  # the mask matters
+    monkeypatch.setattr(mla, "MAX_SCORES", 2 * heads * rows.shape[0])
+    blocked = latent_causal_attention(absorb_query(q, w_uk), rows, prefix, kv_lora, scale)
+    assert_near(blocked, o_lat)
 
 
 def test_absorbs_a_short_chunk_after_a_long_prefix_only():

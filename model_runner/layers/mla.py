@@ -54,22 +54,33 @@ def latent_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora: int, scal
     return torch.bmm(probs.to(work), rows[..., :kv_lora]).to(dtype)
 
 
+# ``latent_causal_attention`` holds the scores of at most this many (query head, row) pairs at
+# once (64 MB in FP32): 170 queries of 32 heads over 65,536 rows would otherwise take 1.4 GB.
+MAX_SCORES = 1 << 24
+
+
 def latent_causal_attention(q_abs: torch.Tensor, rows: torch.Tensor, prefix_len: int,
                             kv_lora: int, scale: float) -> torch.Tensor:
     """One sequence's chunk of n queries q_abs [n, H, D] over its cache rows [prefix + n, D],
     query i seeing rows [0, prefix + i] -> [n, H, kv_lora]: ``latent_attention`` with a causal
-    mask, each product one GEMM over the chunk's n * H query rows."""
+    mask, each product one GEMM over the chunk's query rows (``MAX_SCORES`` bounds them)."""
     num, heads = q_abs.shape[:2]
     dtype = q_abs.dtype
     work = torch.float32 if emulates_bf16(q_abs) else dtype
     rows = rows.to(work)
-    scores = torch.mm(q_abs.reshape(num * heads, -1).to(work), rows.t()).to(dtype) * scale
     hidden = torch.ones(num, rows.shape[0], dtype=torch.bool, device=rows.device).triu(
         prefix_len + 1)  # query i: the rows past prefix + i
-    scores = scores.view(num, heads, -1).masked_fill(hidden[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-    o_lat = torch.mm(probs.view(num * heads, -1).to(work), rows[:, :kv_lora])
-    return o_lat.to(dtype).view(num, heads, kv_lora)
+    out = q_abs.new_empty(num, heads, kv_lora)
+    step = max(1, MAX_SCORES // (heads * rows.shape[0]))  # queries whose scores are held at once
+    for a in range(0, num, step):
+        q = q_abs[a : a + step]
+        scores = torch.mm(q.reshape(-1, q.shape[-1]).to(work), rows.t()).to(dtype) * scale
+        scores = scores.view(q.shape[0], heads, -1).masked_fill(hidden[a : a + step, None],
+                                                                 float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+        o_lat = torch.mm(probs.view(-1, rows.shape[0]).to(work), rows[:, :kv_lora])
+        out[a : a + step] = o_lat.view(q.shape[0], heads, kv_lora)
+    return out
 
 
 def absorbs_chunk(num_queries: int, prefix_len: int, num_heads: int, nope: int, rope: int,
