@@ -43,15 +43,11 @@ def latent_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora: int, scal
                      lens: torch.Tensor | None = None) -> torch.Tensor:
     """q_abs [B, H, D] over cache rows [B, C, D] (D = kv_lora + rope) -> [B, H, kv_lora];
     with ``lens`` [B], columns [lens, C) are padding and masked."""
-    dtype = q_abs.dtype  # products in fp32 where the CPU emulates bf16, rounded as bf16 rounds
-    work = torch.float32 if emulates_bf16(q_abs) else dtype
-    rows = rows.to(work)
-    scores = torch.bmm(q_abs.to(work), rows.transpose(1, 2)).to(dtype) * scale  # [B, H, C]
+    hidden = None
     if lens is not None:
-        padding = torch.arange(rows.shape[1], device=rows.device)[None] >= lens[:, None]
-        scores = scores.masked_fill(padding[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-    return torch.bmm(probs.to(work), rows[..., :kv_lora]).to(dtype)
+        hidden = torch.arange(rows.shape[1], device=rows.device)[None] >= lens[:, None]
+        hidden = hidden[:, None]  # [B, 1, C]
+    return _attend(q_abs, rows, hidden, kv_lora, scale)
 
 
 # ``latent_causal_attention`` holds the scores of at most this many (query head, row) pairs at
@@ -63,24 +59,31 @@ def latent_causal_attention(q_abs: torch.Tensor, rows: torch.Tensor, prefix_len:
                             kv_lora: int, scale: float) -> torch.Tensor:
     """One sequence's chunk of n queries q_abs [n, H, D] over its cache rows [prefix + n, D],
     query i seeing rows [0, prefix + i] -> [n, H, kv_lora]: ``latent_attention`` with a causal
-    mask, each product one GEMM over the chunk's query rows (``MAX_SCORES`` bounds them)."""
+    mask, each product one GEMM over a block of the chunk's query heads (``MAX_SCORES``)."""
     num, heads = q_abs.shape[:2]
-    dtype = q_abs.dtype
-    work = torch.float32 if emulates_bf16(q_abs) else dtype
-    rows = rows.to(work)
     hidden = torch.ones(num, rows.shape[0], dtype=torch.bool, device=rows.device).triu(
-        prefix_len + 1)  # query i: the rows past prefix + i
+        prefix_len + 1)[:, None]  # [n, 1, L]: query i, the rows past prefix + i
     out = q_abs.new_empty(num, heads, kv_lora)
     step = max(1, MAX_SCORES // (heads * rows.shape[0]))  # queries whose scores are held at once
     for a in range(0, num, step):
-        q = q_abs[a : a + step]
-        scores = torch.mm(q.reshape(-1, q.shape[-1]).to(work), rows.t()).to(dtype) * scale
-        scores = scores.view(q.shape[0], heads, -1).masked_fill(hidden[a : a + step, None],
-                                                                 float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-        o_lat = torch.mm(probs.view(-1, rows.shape[0]).to(work), rows[:, :kv_lora])
-        out[a : a + step] = o_lat.view(q.shape[0], heads, kv_lora)
+        out[a : a + step] = _attend(q_abs[a : a + step], rows, hidden[a : a + step], kv_lora,
+                                    scale)
     return out
+
+
+def _attend(q_abs: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor | None, kv_lora: int,
+            scale: float) -> torch.Tensor:
+    """q_abs [..., H, D] over rows [..., C, D] -> [..., H, kv_lora], the scores' entries where
+    ``hidden`` (broadcast to [..., H, C]) masked.  A 2-D ``rows`` is shared by every leading
+    index of q_abs, and each product is one GEMM over all of them."""
+    dtype = q_abs.dtype  # products in fp32 where the CPU emulates bf16, rounded as bf16 rounds
+    work = torch.float32 if emulates_bf16(q_abs) else dtype
+    rows = rows.to(work)
+    scores = torch.matmul(q_abs.to(work), rows.transpose(-1, -2)).to(dtype) * scale
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return torch.matmul(probs.to(work), rows[..., :kv_lora]).to(dtype)
 
 
 def absorbs_chunk(num_queries: int, prefix_len: int, num_heads: int, nope: int, rope: int,
