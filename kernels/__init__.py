@@ -1,4 +1,5 @@
-"""Checkpoint kernels, one package per op, the torch reference beside every fast path (as fla).
+"""Checkpoint and CPU decode kernels, one package per op, the torch reference beside every
+fast path (as fla).
 
     ragged_state/  gather / scatter of state units between the active pool and checkpoint slots
         layout.py     UnitIndex, build_unit_index (where units live), argument checks
@@ -9,5 +10,9 @@
     int8_quant/    symmetric per-row INT8 quantisation
         naive.py      torch reference
         triton.py     Triton kernels (CUDA)
+    delta_decode/  the delta rule's one-token update, one pass per state (CPU decode)
+        native.c      C, AVX-512 for 128-wide values; model_runner/ops/delta_rule_decode.py
+                      is the torch reference and fallback
+    native_build.py compiles and loads the C libraries on first use (ctypes)
     interpreted.py runs the Triton kernels on CPU under the Triton interpreter (tests)
 """

@@ -8,37 +8,28 @@ moves each with one memcpy (memset for omitted units), or quantises / dequantise
 the way. A dense plan is one run per layer; a W_max plan one run per stretch of consecutive
 retained units, so a load's time falls with the stored bytes.
 
-The library is compiled on first use with the system C compiler (`$CC`, else `cc`/`gcc`;
-about 0.2 s) into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory
-when that is unusable), keyed by the source, compiler and flags.
-Without a compiler, or with `DASC_NATIVE_KERNELS=0`, `native_library()` is None and the pool
-uses the torch flat-row path of `flat_rows.py`. The C code trusts its arguments: callers
-check slot ids (`check_slots`) and buffer shapes first.
+The library is compiled on first use (`kernels/native_build.py`); without a compiler, or with
+`DASC_NATIVE_KERNELS=0`, `native_library()` is None and the pool uses the torch flat-row path
+of `flat_rows.py`. The C code trusts its arguments: callers check slot ids (`check_slots`) and
+buffer shapes first.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from kernels.native_build import I64 as _I64
+from kernels.native_build import PTR as _PTR
+from kernels.native_build import load_library
 from kernels.ragged_state.layout import UnitIndex
 
 Tensor = torch.Tensor
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "dasc_copy_runs": (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR),
     "dasc_quantize_runs": (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
@@ -48,66 +39,11 @@ _SIGNATURES = {
 }
 
 
-def _cache_dirs() -> list[Path]:
-    """Where the library may be built: $DASC_CACHE_DIR, else the user cache; then a per-user
-    temporary directory (a read-only or missing home)."""
-    dirs = []
-    if os.environ.get("DASC_CACHE_DIR"):
-        dirs.append(Path(os.environ["DASC_CACHE_DIR"]))
-    else:
-        try:
-            dirs.append(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dasc")
-        except RuntimeError:  # no home directory to be found
-            pass
-    return dirs + [Path(tempfile.gettempdir()) / f"dasc-{os.getuid()}"]
-
-
-def _build(compiler: list[str], cache_dir: Path) -> Path:
-    """Compile the library once per (source, flags, compiler, machine); concurrent builders
-    (several ranks) each write a temporary file and rename it into place."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((*compiler, *FLAGS)).encode())
-    target = cache_dir / f"ragged_state-{platform.machine()}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 @cache
 def native_library() -> ctypes.CDLL | None:
     """The compiled run-copy library, or None (disabled, no compiler, or the build failed:
     warned once) so callers fall back to torch."""
-    if os.environ.get("DASC_NATIVE_KERNELS", "1") == "0":
-        return None
-    compiler = shlex.split(os.environ.get("CC", "")) or [
-        c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-    if not compiler:
-        return None
-    errors = []
-    for cache_dir in _cache_dirs():
-        try:
-            lib = ctypes.CDLL(str(_build(compiler, cache_dir)))
-            break
-        except (OSError, subprocess.SubprocessError) as exc:
-            errors.append(str(getattr(exc, "stderr", "") or exc).strip())
-    else:
-        warnings.warn(f"dasc: CPU checkpoint kernels not built ({'; '.join(errors)}); "
-                      "using torch", stacklevel=2)
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    return lib
+    return load_library(SOURCE, "ragged_state", _SIGNATURES, "CPU checkpoint kernels")
 
 
 def check_slots(slots: Tensor, num_slots: int, what: str) -> Tensor:

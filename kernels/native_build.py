@@ -1,0 +1,89 @@
+"""Compile-on-first-use C libraries for the CPU paths (``ragged_state/native.c``,
+``delta_decode/native.c``), loaded through ctypes.
+
+A library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`; well under a second)
+into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory when that is
+unusable), keyed by the source, compiler and flags.  Without a compiler, or with
+`DASC_NATIVE_KERNELS=0`, ``load_library`` returns None and callers take their torch path.
+Built without -ffast-math and with -ffp-contract=off, so every operation rounds as written: a
+fused multiply-add happens only where the source asks for one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
+I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _cache_dirs() -> list[Path]:
+    """Where a library may be built: $DASC_CACHE_DIR, else the user cache; then a per-user
+    temporary directory (a read-only or missing home)."""
+    dirs = []
+    if os.environ.get("DASC_CACHE_DIR"):
+        dirs.append(Path(os.environ["DASC_CACHE_DIR"]))
+    else:
+        try:
+            dirs.append(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dasc")
+        except RuntimeError:  # no home directory to be found
+            pass
+    return dirs + [Path(tempfile.gettempdir()) / f"dasc-{os.getuid()}"]
+
+
+def _build(source: Path, name: str, compiler: list[str], cache_dir: Path) -> Path:
+    """Compile once per (source, flags, compiler, machine); concurrent builders (several ranks)
+    each write a temporary file and rename it into place."""
+    key = hashlib.sha256(source.read_bytes() + " ".join((*compiler, *FLAGS)).encode())
+    target = cache_dir / f"{name}-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(source), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_library(source: Path, name: str, signatures: dict[str, tuple], what: str
+                 ) -> ctypes.CDLL | None:
+    """``source`` compiled and loaded, each function of ``signatures`` typed (argument types;
+    no return value), or None (disabled, no compiler, or the build failed: warned, naming
+    ``what`` falls back to torch)."""
+    if os.environ.get("DASC_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = shlex.split(os.environ.get("CC", "")) or [
+        c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not compiler:
+        return None
+    errors = []
+    for cache_dir in _cache_dirs():
+        try:
+            lib = ctypes.CDLL(str(_build(source, name, compiler, cache_dir)))
+            break
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(getattr(exc, "stderr", "") or exc).strip())
+    else:
+        warnings.warn(f"dasc: {what} not built ({'; '.join(errors)}); using torch",
+                      stacklevel=3)
+        return None
+    for fn_name, argtypes in signatures.items():
+        fn = getattr(lib, fn_name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
