@@ -10,9 +10,9 @@ fast path (as fla).
     int8_quant/    symmetric per-row INT8 quantisation
         naive.py      torch reference
         triton.py     Triton kernels (CUDA)
-    delta_decode/  the delta rule's one-token update, one pass per state (CPU decode)
-        native.c      C, AVX-512 for 128-wide values; model_runner/ops/delta_rule_decode.py
-                      is the torch reference and fallback
+    cpu_decode/    one-token updates in the state slots (CPU decode): the delta rule, one pass
+        native.c      per state (AVX-512 for 128-wide values), and the short conv; the torch
+                      forms in model_runner/ops/ are the references and fallbacks
     native_build.py compiles and loads the C libraries on first use (ctypes)
     interpreted.py runs the Triton kernels on CPU under the Triton interpreter (tests)
 """

