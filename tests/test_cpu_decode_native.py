@@ -116,6 +116,13 @@ def test_where_the_kernel_does_not_run():
         assert delta_rule_in_place(pool.transpose(2, 3), [1], *rows) is None  # not a row-major one
         with pytest.raises(IndexError, match="outside"):
             delta_rule_in_place(pool, [2], *rows)
+        cpu_decode.set_enabled(False)  # runner_speed --native-kernels off / alternate
+        try:
+            assert delta_rule_in_place(pool, [1], *rows) is None
+            assert conv_in_place(pool[0, 0], torch.zeros(9, 8), pool[:, 0], [1]) is None
+        finally:
+            cpu_decode.set_enabled(True)
+        assert delta_rule_in_place(pool, [1], *rows) is not None
     assert delta_rule_in_place(pool, [1], *rows) is None  # autograd: the torch form's graph
     # and under autograd decode_step stays differentiable, as training needs
     state = pool[1:].clone().requires_grad_()

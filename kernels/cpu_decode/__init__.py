@@ -29,6 +29,16 @@ _SIGNATURES = {
 }
 
 
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the kernels off (the torch forms run) or back on in this process, e.g. to time
+    both in one run (``runner_speed --native-kernels alternate``)."""
+    global _enabled
+    _enabled = on
+
+
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "cpu_decode", _SIGNATURES, "CPU decode kernels")
@@ -52,7 +62,8 @@ def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor,
     operands = (wkq, qk, v, beta, decay, k)
     if (pool.device.type != "cpu" or pool.dtype != torch.float32 or torch.is_grad_enabled()
             or not pool[0].is_contiguous() or pool.stride(0) < num_heads * k_dim * v_dim
-            or any(x.dtype != torch.float32 for x in operands) or native_library() is None):
+            or any(x.dtype != torch.float32 for x in operands) or not _enabled
+            or native_library() is None):
         return None
     wkq, qk, v, beta, decay, k = (x.contiguous() for x in operands)
     index = _check_slots(slots, pool.shape[0])
@@ -76,7 +87,7 @@ def conv_in_place(x: torch.Tensor, columns: torch.Tensor, pool: torch.Tensor, sl
             or not pool[0].is_contiguous() or pool.stride(0) < channels * width
             or x.dim() != 2 or x.stride(1) != 1 or columns.dtype != torch.float32
             or not columns.is_contiguous() or tuple(columns.shape) != (width + 1, channels)
-            or native_library() is None):
+            or not _enabled or native_library() is None):
         return None
     index = _check_slots(slots, num_slots)
     out = torch.empty(len(slots), channels)

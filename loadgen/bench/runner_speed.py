@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from kernels import cpu_decode
 from model_runner.batch import SeqInput
 from model_runner.config import DEFAULT_MODEL
 from model_runner.cpu_features import cpu_has_native_bf16
@@ -47,6 +48,10 @@ def main() -> None:
     p.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
                    help="as dasc-serve's flag: oneDNN-packed copies of large linear weights "
                         "(bf16 on a CPU with native bf16, else fp32)")
+    p.add_argument("--native-kernels", choices=["on", "off", "alternate"], default="on",
+                   help="the CPU decode C kernels (kernels/cpu_decode); alternate: decode steps "
+                        "alternate off and on in this process, and each decode line reports "
+                        "both (step_ms on, step_ms_off) (default: on)")
     p.add_argument("--mixed-chunks", type=int, nargs="*", default=[], metavar="C",
                    help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
                         "of another sequence, as a serving step that mixes them")
@@ -69,7 +74,8 @@ def main() -> None:
     if not 0 < args.decode_context <= args.prompt_len:
         p.error("--decode-context must be in [1, --prompt-len]")
     max_batch = max(*args.decode_batch, args.mixed_decodes + 1 if args.mixed_chunks else 1)
-    per_seq = -(-(args.prompt_len + args.decode_steps + 1) // page)
+    num_steps = args.decode_steps * (2 if args.native_kernels == "alternate" else 1)
+    per_seq = -(-(args.prompt_len + num_steps + 1) // page)
     rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device),
                       num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1,
                       cuda_graph_max_bs=max_batch if args.cuda_graph else 0,
@@ -108,11 +114,15 @@ def main() -> None:
               flush=True)
 
     short = prompt[: args.decode_context]
+    cpu_decode.set_enabled(args.native_kernels != "off")
     for batch in args.decode_batch:
         seqs = [SeqInput(short, 0, tables[i], i + 1) for i in range(batch)]
         runner.forward(seqs)
-        steps = []
-        for _ in range(args.decode_steps):
+        steps: dict[bool, list[float]] = {True: [], False: []}
+        for i in range(num_steps):
+            native = args.native_kernels == "on" or (args.native_kernels == "alternate"
+                                                     and i % 2 == 1)
+            cpu_decode.set_enabled(native)
             for s in seqs:
                 s.prefix_len += len(s.token_ids)
                 s.token_ids = [7]
@@ -120,13 +130,15 @@ def main() -> None:
             start = time.perf_counter()
             runner.forward(seqs)
             sync(device)
-            steps.append(time.perf_counter() - start)
+            steps[native].append(time.perf_counter() - start)
+        timed = {f"step_ms{'' if native else '_off'}": 1000 * statistics.median(ts)
+                 for native, ts in steps.items() if ts}
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
-               context=args.decode_context, decode_path=decode_path,
-               step_ms=1000 * statistics.median(steps))
+               context=args.decode_context, decode_path=decode_path, **timed)
+    cpu_decode.set_enabled(args.native_kernels != "off")
     for chunk in args.mixed_chunks:
         # B sequences decode at their contexts; another (its own slot) prefills `chunk` tokens
-        decodes = [SeqInput([7], len(short) + args.decode_steps, tables[i], i + 1)
+        decodes = [SeqInput([7], len(short) + num_steps, tables[i], i + 1)
                    for i in range(args.mixed_decodes)]
         b = args.mixed_decodes
         step = [*decodes, SeqInput(prompt[:chunk], 0, tables[b], b + 1)]
