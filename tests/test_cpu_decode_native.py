@@ -2,7 +2,8 @@
 - the delta rule's one-token update (``delta_rule_decode._update``: an ``embedding_bag``
   projection, ``mul_`` and ``addcmul_``), in its AVX-512 form (V = 128) and its portable loop,
   per head and per channel, with GVA, at Qwen3-Next's and Kimi-Linear's state shapes;
-- the short conv's window sum and state shift (``short_conv.conv_decode``), bf16 and FP32.
+- the short conv's window sum and state shift (``short_conv.conv_decode``), and a prefill
+  chunk's window sums (``short_conv.conv_varlen``), bf16 and FP32.
 The decode entry points take them at inference and fall back to torch where they cannot run.
 """
 
@@ -21,7 +22,7 @@ from kernels import cpu_decode
 from kernels.cpu_decode import conv_in_place, delta_rule_in_place, native_library
 from model_runner.ops import short_conv
 from model_runner.ops.delta_rule_decode import _operands, _update, decode_into, decode_step
-from model_runner.ops.short_conv import _columns, conv_decode, conv_decode_into
+from model_runner.ops.short_conv import _columns, conv_decode, conv_decode_into, conv_varlen
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
@@ -183,3 +184,31 @@ def test_conv_decode_into_takes_the_kernel(monkeypatch):
                         lambda *a: (calls.append(len(a[3])), real(*a))[1])
     got = conv_decode_into(x, weight, pool, slots)
     assert calls == [2] and torch.equal(got, want) and torch.equal(pool, want_pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("channels", [8192, 40])
+@torch.inference_mode()
+def test_the_prefill_conv_kernel_gives_the_torch_forms_bits(channels, dtype):
+    """``conv_varlen`` with the window sums in C against the torch form: outputs, final
+    states and the states at cuts, for sequences longer and shorter than the kernel (1 and 2
+    tokens: their sums read the state), x a strided view."""
+    gen = torch.Generator().manual_seed(9)
+    cu = [0, 7, 8, 10, 30]
+    x = torch.randn(cu[-1], channels + 8, generator=gen).to(dtype)[:, :channels]
+    weight = torch.randn(channels, 4, generator=gen).to(dtype)
+    states = torch.randn(len(cu) - 1, channels, 3, generator=gen).to(dtype)
+    cuts = [(0, 2), (0, 5), (3, 19)]
+    cpu_decode.set_enabled(False)
+    try:
+        want = conv_varlen(x, weight, states, cu, cuts)
+    finally:
+        cpu_decode.set_enabled(True)
+    calls = []
+    real = cpu_decode.conv_window_sums
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(short_conv, "conv_window_sums", lambda *a: (calls.append(1), real(*a))[1])
+        got = conv_varlen(x, weight, states, cu, cuts)
+    assert calls == [1]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)

@@ -1,10 +1,12 @@
 """CPU decode in C (``native.c`` beside this file): one token per sequence, each state
-updated in place in its slot, with the bits of the torch forms they stand in for.
+updated in place in its slot, with the bits of the torch forms they stand in for; and the
+short conv's prefill window sums, which share the decode's arithmetic.
 
 - ``delta_rule_in_place``: the gated delta rule's update in one pass over each state
   (``model_runner/ops/delta_rule_decode.py`` is the torch form and reference);
 - ``conv_in_place``: the short convolution's window sum and state shift
-  (``model_runner/ops/short_conv.py``'s ``conv_decode``).
+  (``model_runner/ops/short_conv.py``'s ``conv_decode``);
+- ``conv_window_sums``: a prefill chunk's window sums (``short_conv.conv_varlen``'s).
 
 Each returns None where it does not run (no C compiler, ``DASC_NATIVE_KERNELS=0``, tensors not
 on the CPU or not of the dtypes and layouts it reads, autograd), and the caller takes the torch
@@ -26,6 +28,7 @@ _SIGNATURES = {
     "dasc_delta_decode": (PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR,
                           PTR, PTR, I64),
     "dasc_conv_decode": (PTR, I64, PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64),
+    "dasc_conv_prefill": (PTR, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, I64),
 }
 
 
@@ -95,4 +98,28 @@ def conv_in_place(x: torch.Tensor, columns: torch.Tensor, pool: torch.Tensor, sl
         pool.data_ptr(), pool.stride(0), index.data_ptr(), len(slots), channels, width,
         x.data_ptr(), x.stride(0), columns.data_ptr(), out.data_ptr(),
         int(pool.dtype == torch.bfloat16))
+    return out
+
+
+def conv_window_sums(x: torch.Tensor, columns: torch.Tensor, states: torch.Tensor,
+                     cu_seqlens: list[int]) -> torch.Tensor | None:
+    """The window sums [N, C] FP32 of packed sequences: sequence i is rows
+    [cu_seqlens[i], cu_seqlens[i + 1]) of x [N, C] after ``states[i]`` ([B, C, width], bf16 or
+    FP32 as x); ``columns`` [width + 1, C] FP32 are the taps.  None where the kernel does not
+    run."""
+    num_seqs, channels, width = states.shape
+    if (x.device.type != "cpu" or states.device.type != "cpu" or states.dtype != x.dtype
+            or x.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled()
+            or x.dim() != 2 or x.stride(1) != 1 or not states.is_contiguous()
+            or columns.dtype != torch.float32 or not columns.is_contiguous()
+            or tuple(columns.shape) != (width + 1, channels) or len(cu_seqlens) != num_seqs + 1
+            or cu_seqlens[0] != 0 or cu_seqlens[-1] != x.shape[0]
+            or any(a > b for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+            or not _enabled or native_library() is None):
+        return None
+    cu = torch.tensor(cu_seqlens, dtype=torch.long)
+    out = torch.empty(x.shape[0], channels)
+    native_library().dasc_conv_prefill(
+        x.data_ptr(), x.stride(0), states.data_ptr(), channels * width, cu.data_ptr(), num_seqs,
+        channels, width, columns.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16))
     return out

@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode import conv_in_place
+from kernels.cpu_decode import conv_in_place, conv_window_sums
 from model_runner.ops.derived import derived
 
 
@@ -36,8 +36,17 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
     ``kernel`` shifted slices, token-major and accumulated in FP32 (a grouped ``F.conv1d`` with
     thousands of one-channel groups runs per channel on CPU); the sum is rounded to the weight
     dtype before the SiLU, where transformers' conv rounds it.  The states are copies of rows,
-    bit for bit what a split prefill leaves."""
+    bit for bit what a split prefill leaves.  At inference on a CPU the window sums run as
+    ``kernels/cpu_decode``'s C kernel where it is built (the same sums, straight from x and the
+    states, no buffer), and the states are cut from x and the old states."""
     width, channels = states.shape[2], x.shape[1]
+    sums = conv_window_sums(x, _columns(weight), states, cu_seqlens) if x.is_cpu else None
+    if sums is not None:
+        finals = [_state_after(x, states[i], a, b) for i, (a, b) in
+                  enumerate(zip(cu_seqlens, cu_seqlens[1:]))]
+        at_cuts = [_state_after(x, states[i], cu_seqlens[i], cu_seqlens[i] + n) for i, n in cuts]
+        return (F.silu(sums.to(weight.dtype)).to(x.dtype), _stack(finals, states),
+                _stack(at_cuts, states))
     state_rows, x_rows, final_rows = _conv_layout(tuple(cu_seqlens), width, x.device)
     ext = x.new_empty(cu_seqlens[-1] + len(states) * width, channels, dtype=torch.float32)
     for i, (a, b) in enumerate(zip(cu_seqlens, cu_seqlens[1:])):  # slices: an index_put of a
@@ -58,6 +67,19 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
         [n for _, n in cuts], dtype=torch.long, device=x.device).view(-1, 1)
     return (F.silu(out.to(weight.dtype)).to(x.dtype), states_at(final_rows),
             states_at(cut_rows))
+
+
+def _state_after(x: torch.Tensor, state: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """The state [C, width] after tokens x[a:b] follow ``state``: the last ``width`` rows of
+    ``[state ; x[a:b]]``, channel-major."""
+    width = state.shape[1]
+    if b - a >= width:
+        return x[b - width : b].t().to(state.dtype)
+    return torch.cat([state[:, b - a :], x[a:b].t().to(state.dtype)], dim=1)
+
+
+def _stack(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.stack(rows) if rows else like.new_empty(0, *like.shape[1:])
 
 
 @lru_cache(maxsize=16)
