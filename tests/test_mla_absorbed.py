@@ -26,6 +26,7 @@ from model_runner.layers.attention import causal_attention
 from model_runner.layers.mla import (
     absorb_query,
     absorbs_chunk,
+    key_absorption,
     latent_attention,
     latent_causal_attention,
     split_kv_b,
@@ -77,6 +78,22 @@ def test_value_projection_is_kept_gives_the_views_bits_and_follows_the_weight():
     assert torch.equal(up_project_values(o_lat, kept), up_project_values(o_lat, view))
     weight.mul_(2)
     again = value_projection(weight, heads, nope)
+    assert again is not kept and torch.equal(again, 2 * kept)
+
+
+def test_key_absorption_is_kept_gives_the_views_bits_and_follows_the_weight():
+    """W_uk likewise: ``absorb_query`` through the kept copy has the strided view's bits."""
+    heads, nope, dv, kv_lora = 32, 128, 128, 512
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(heads * (nope + dv), kv_lora, generator=gen).bfloat16()
+    q = torch.randn(3, heads, nope + 64, generator=gen).bfloat16()
+    kept = key_absorption(weight, heads, nope)
+    assert kept.is_contiguous() and key_absorption(weight, heads, nope) is kept
+    view = split_kv_b(weight, heads, nope)[0]
+    assert not view.is_contiguous()
+    assert torch.equal(absorb_query(q, kept), absorb_query(q, view))
+    weight.mul_(2)
+    again = key_absorption(weight, heads, nope)
     assert again is not kept and torch.equal(again, 2 * kept)
 
 

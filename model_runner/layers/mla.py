@@ -103,6 +103,20 @@ def absorbs_chunk(num_queries: int, prefix_len: int, num_heads: int, nope: int, 
     return absorbed < expanded
 
 
+def key_absorption(weight: torch.Tensor, num_heads: int, nope_dim: int) -> torch.Tensor:
+    """kv_b_proj.weight -> W_uk [H, nope, kv_lora], ``absorb_query``'s operand.  On a CPU a
+    contiguous copy kept on the weight (``derived``), as ``value_projection`` keeps W_uv^T:
+    torch's CPU bmm copied the strided view (its heads lie nope + Dv rows apart) on every call,
+    0.41 ms a layer a step at Kimi-Linear's shapes, and the copy gives the same bits.
+    Elsewhere the view."""
+    def keys(w: torch.Tensor) -> torch.Tensor:
+        return split_kv_b(w, num_heads, nope_dim)[0]
+
+    if weight.device.type != "cpu":
+        return keys(weight)
+    return derived(weight, "_mla_w_uk", lambda w: keys(w).contiguous())
+
+
 def value_projection(weight: torch.Tensor, num_heads: int, nope_dim: int) -> torch.Tensor:
     """kv_b_proj.weight -> W_uv^T [H, kv_lora, Dv], ``up_project_values``' operand.  On a CPU a
     contiguous copy kept on the weight (``derived``): torch's CPU bmm copied the transposed

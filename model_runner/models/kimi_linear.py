@@ -32,9 +32,9 @@ from model_runner.layers.linear import (
 from model_runner.layers.mla import (
     absorb_query,
     absorbs_chunk,
+    key_absorption,
     latent_attention,
     latent_causal_attention,
-    split_kv_b,
     up_project_values,
     value_projection,
 )
@@ -152,7 +152,7 @@ class MLAttention(nn.Module):
         if not self.absorb_decode:
             return paged_attention(batch, q, cache, self._expand, self.scale)
         weight, nope = self.kv_b_proj.weight, cfg.qk_nope_head_dim
-        w_uk = split_kv_b(weight, self.num_heads, nope)[0]
+        w_uk = key_absorption(weight, self.num_heads, nope)
         w_uv_t = value_projection(weight, self.num_heads, nope)
         if batch.is_static:  # one query per sequence over its row table [B, C]
             rows = gather_rows(cache, batch.kv_table)
