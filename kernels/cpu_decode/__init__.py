@@ -28,7 +28,7 @@ _SIGNATURES = {
     "dasc_delta_decode": (PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR,
                           PTR, PTR, I64),
     "dasc_conv_decode": (PTR, I64, PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64),
-    "dasc_conv_prefill": (PTR, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, I64),
+    "dasc_conv_prefill": (PTR, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I64),
 }
 
 
@@ -102,14 +102,15 @@ def conv_in_place(x: torch.Tensor, columns: torch.Tensor, pool: torch.Tensor, sl
 
 
 def conv_window_sums(x: torch.Tensor, columns: torch.Tensor, states: torch.Tensor,
-                     cu_seqlens: list[int]) -> torch.Tensor | None:
-    """The window sums [N, C] FP32 of packed sequences: sequence i is rows
-    [cu_seqlens[i], cu_seqlens[i + 1]) of x [N, C] after ``states[i]`` ([B, C, width], bf16 or
-    FP32 as x); ``columns`` [width + 1, C] FP32 are the taps.  None where the kernel does not
-    run."""
+                     cu_seqlens: list[int], dtype: torch.dtype) -> torch.Tensor | None:
+    """The window sums [N, C] of packed sequences, rounded to ``dtype`` (FP32 or bf16, where
+    ``conv_varlen`` rounds them): sequence i is rows [cu_seqlens[i], cu_seqlens[i + 1]) of
+    x [N, C] after ``states[i]`` ([B, C, width], bf16 or FP32 as x); ``columns``
+    [width + 1, C] FP32 are the taps.  None where the kernel does not run."""
     num_seqs, channels, width = states.shape
     if (x.device.type != "cpu" or states.device.type != "cpu" or states.dtype != x.dtype
             or x.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled()
+            or dtype not in (torch.float32, torch.bfloat16)
             or x.dim() != 2 or x.stride(1) != 1 or not states.is_contiguous()
             or columns.dtype != torch.float32 or not columns.is_contiguous()
             or tuple(columns.shape) != (width + 1, channels) or len(cu_seqlens) != num_seqs + 1
@@ -118,8 +119,11 @@ def conv_window_sums(x: torch.Tensor, columns: torch.Tensor, states: torch.Tenso
             or not _enabled or native_library() is None):
         return None
     cu = torch.tensor(cu_seqlens, dtype=torch.long)
-    out = torch.empty(x.shape[0], channels)
+    out = torch.empty(x.shape[0], channels, dtype=dtype)
+    rounded = dtype == torch.bfloat16
+    scratch = torch.empty(channels if rounded else 0)
     native_library().dasc_conv_prefill(
         x.data_ptr(), x.stride(0), states.data_ptr(), channels * width, cu.data_ptr(), num_seqs,
-        channels, width, columns.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16))
+        channels, width, columns.data_ptr(), None if rounded else out.data_ptr(),
+        out.data_ptr() if rounded else None, scratch.data_ptr(), int(x.dtype == torch.bfloat16))
     return out

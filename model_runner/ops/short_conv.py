@@ -40,12 +40,13 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
     ``kernels/cpu_decode``'s C kernel where it is built (the same sums, straight from x and the
     states, no buffer), and the states are cut from x and the old states."""
     width, channels = states.shape[2], x.shape[1]
-    sums = conv_window_sums(x, _columns(weight), states, cu_seqlens) if x.is_cpu else None
+    sums = conv_window_sums(x, _columns(weight), states, cu_seqlens, weight.dtype) \
+        if x.is_cpu else None
     if sums is not None:
         finals = [_state_after(x, states[i], a, b) for i, (a, b) in
                   enumerate(zip(cu_seqlens, cu_seqlens[1:]))]
         at_cuts = [_state_after(x, states[i], cu_seqlens[i], cu_seqlens[i] + n) for i, n in cuts]
-        return (F.silu(sums.to(weight.dtype)).to(x.dtype), _stack(finals, states),
+        return (F.silu(sums).to(x.dtype), _stack(finals, states),
                 _stack(at_cuts, states))
     state_rows, x_rows, final_rows = _conv_layout(tuple(cu_seqlens), width, x.device)
     ext = x.new_empty(cu_seqlens[-1] + len(states) * width, channels, dtype=torch.float32)
