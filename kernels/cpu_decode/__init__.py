@@ -53,9 +53,10 @@ def _check_slots(slots: list[int], num_slots: int) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.long)
 
 
-def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor, qk: torch.Tensor,
-                    v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, k: torch.Tensor,
-                    simd: bool = True) -> torch.Tensor | None:
+def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor,
+                        qk: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                        decay: torch.Tensor, k: torch.Tensor, simd: bool = True
+                        ) -> torch.Tensor | None:
     """Advance ``pool[slots[b]]`` ([S, H, K, V] FP32) by one token in place: row b * H + h of
     the operands (``delta_rule_decode._operands``: wkq [BH, 2, K], qk, v [BH, 1, V], beta,
     decay [BH, 1 or K, 1], k [BH, K, 1]) belongs to head h of sequence b.  Returns
@@ -79,18 +80,26 @@ def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor,
     return o
 
 
+def _conv_runs(x: torch.Tensor, columns: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether the conv kernels read these: CPU tensors, x [N, C] with unit-stride rows and
+    states [..., C, width] of one dtype, bf16 or FP32, contiguous FP32 taps [width + 1, C],
+    no autograd, the library built and switched on."""
+    channels, width = states.shape[-2:]
+    return (x.device.type == states.device.type == "cpu" and states.dtype == x.dtype
+            and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
+            and x.dim() == 2 and x.stride(1) == 1 and columns.dtype == torch.float32
+            and columns.is_contiguous() and tuple(columns.shape) == (width + 1, channels)
+            and _enabled and native_library() is not None)
+
+
 def conv_in_place(x: torch.Tensor, columns: torch.Tensor, pool: torch.Tensor, slots: list[int]
                   ) -> torch.Tensor | None:
     """The window sums [B, C] FP32 of x [B, C] after the states ``pool[slots[b]]``
     ([S, C, width], bf16 or FP32 as x), each state shifted by x in place; ``columns``
     [width + 1, C] FP32 are the taps.  None where the kernel does not run."""
     num_slots, channels, width = pool.shape
-    if (pool.device.type != "cpu" or x.device.type != "cpu" or pool.dtype != x.dtype
-            or pool.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled()
-            or not pool[0].is_contiguous() or pool.stride(0) < channels * width
-            or x.dim() != 2 or x.stride(1) != 1 or columns.dtype != torch.float32
-            or not columns.is_contiguous() or tuple(columns.shape) != (width + 1, channels)
-            or not _enabled or native_library() is None):
+    if (not _conv_runs(x, columns, pool) or not pool[0].is_contiguous()
+            or pool.stride(0) < channels * width):
         return None
     index = _check_slots(slots, num_slots)
     out = torch.empty(len(slots), channels)
@@ -108,15 +117,10 @@ def conv_window_sums(x: torch.Tensor, columns: torch.Tensor, states: torch.Tenso
     x [N, C] after ``states[i]`` ([B, C, width], bf16 or FP32 as x); ``columns``
     [width + 1, C] FP32 are the taps.  None where the kernel does not run."""
     num_seqs, channels, width = states.shape
-    if (x.device.type != "cpu" or states.device.type != "cpu" or states.dtype != x.dtype
-            or x.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled()
-            or dtype not in (torch.float32, torch.bfloat16)
-            or x.dim() != 2 or x.stride(1) != 1 or not states.is_contiguous()
-            or columns.dtype != torch.float32 or not columns.is_contiguous()
-            or tuple(columns.shape) != (width + 1, channels) or len(cu_seqlens) != num_seqs + 1
+    if (not _conv_runs(x, columns, states) or not states.is_contiguous()
+            or dtype not in (torch.float32, torch.bfloat16) or len(cu_seqlens) != num_seqs + 1
             or cu_seqlens[0] != 0 or cu_seqlens[-1] != x.shape[0]
-            or any(a > b for a, b in zip(cu_seqlens, cu_seqlens[1:]))
-            or not _enabled or native_library() is None):
+            or any(a > b for a, b in zip(cu_seqlens, cu_seqlens[1:]))):
         return None
     cu = torch.tensor(cu_seqlens, dtype=torch.long)
     out = torch.empty(x.shape[0], channels, dtype=dtype)

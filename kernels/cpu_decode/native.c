@@ -152,34 +152,18 @@ static void conv4_bf16(uint16_t *s, const uint16_t *x, const float *w, int64_t C
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-static void conv_f32(float *s, const float *x, const float *w, int64_t C, int64_t width,
-                     float *o) {
+/* Any width, bf16 or FP32: the state's elements move as they are (2 or 4 bytes). */
+static void conv_portable(void *s, const void *x, const float *w, int64_t C, int64_t width,
+                          float *o, int64_t bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
     for (int64_t c = 0; c < C; ++c) {
-        float *sc = s + c * width;
-        float acc = sc[0] * w[c];
+        float acc = load_elem(s, c * width, bf16) * w[c];
         for (int64_t j = 1; j < width; ++j)
-            acc = fmaf(sc[j], w[j * C + c], acc);
-        o[c] = fmaf(x[c], w[width * C + c], acc);
-        for (int64_t j = 1; j < width; ++j)
-            sc[j - 1] = sc[j];
-        sc[width - 1] = x[c];
-    }
-}
-
-static void conv_bf16(uint16_t *s, const uint16_t *x, const float *w, int64_t C, int64_t width,
-                      float *o) {
-    for (int64_t c = 0; c < C; ++c) {
-        uint16_t *sc = s + c * width;
-        float acc = bf16_value(sc[0]) * w[c];
-        for (int64_t j = 1; j < width; ++j)
-            acc = fmaf(bf16_value(sc[j]), w[j * C + c], acc);
-        o[c] = fmaf(bf16_value(x[c]), w[width * C + c], acc);
-        for (int64_t j = 1; j < width; ++j)
-            sc[j - 1] = sc[j];
-        sc[width - 1] = x[c];
+            acc = fmaf(load_elem(s, c * width + j, bf16), w[j * C + c], acc);
+        o[c] = fmaf(load_elem(x, c, bf16), w[width * C + c], acc);
+        char *sc = (char *)s + c * width * elem;
+        __builtin_memmove(sc, sc + elem, (size_t)((width - 1) * elem));
+        __builtin_memcpy(sc + (width - 1) * elem, (const char *)x + c * elem, (size_t)elem);
     }
 }
 
@@ -189,17 +173,14 @@ static void conv_bf16(uint16_t *s, const uint16_t *x, const float *w, int64_t C,
 void dasc_conv_decode(void *pool, int64_t slot_stride, const int64_t *slots, int64_t num_seqs,
                       int64_t C, int64_t width, const void *x, int64_t x_stride,
                       const float *columns, float *out, int64_t bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
     for (int64_t b = 0; b < num_seqs; ++b) {
-        float *o = out + b * C;
-        if (!bf16)
-            conv_f32((float *)pool + slots[b] * slot_stride, (const float *)x + b * x_stride,
-                     columns, C, width, o);
-        else if (width == 3)
-            conv4_bf16((uint16_t *)pool + slots[b] * slot_stride,
-                       (const uint16_t *)x + b * x_stride, columns, C, o);
+        char *s = (char *)pool + slots[b] * slot_stride * elem;
+        const char *xb = (const char *)x + b * x_stride * elem;
+        if (bf16 && width == 3)
+            conv4_bf16((uint16_t *)s, (const uint16_t *)xb, columns, C, out + b * C);
         else
-            conv_bf16((uint16_t *)pool + slots[b] * slot_stride,
-                      (const uint16_t *)x + b * x_stride, columns, C, width, o);
+            conv_portable(s, xb, columns, C, width, out + b * C, bf16);
     }
 }
 
@@ -213,35 +194,17 @@ void dasc_conv_decode(void *pool, int64_t slot_stride, const int64_t *slots, int
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-static void window_row_bf16(const uint16_t *r, int64_t x_stride, int64_t C, int64_t width,
-                            const float *w, float *o) {
+static void window_row(const void *r, int64_t x_stride, int64_t C, int64_t width,
+                       const float *w, float *o, int64_t bf16) {
     for (int64_t c = 0; c < C; ++c)
-        o[c] = bf16_value(r[c]) * w[c];
-    for (int64_t j = 1; j <= width; ++j) {
-        const uint16_t *rj = r + j * x_stride;
-        const float *wj = w + j * C;
+        o[c] = load_elem(r, c, bf16) * w[c];
+    for (int64_t j = 1; j <= width; ++j)
         for (int64_t c = 0; c < C; ++c)
-            o[c] = fmaf(bf16_value(rj[c]), wj[c], o[c]);
-    }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-static void window_row_f32(const float *r, int64_t x_stride, int64_t C, int64_t width,
-                           const float *w, float *o) {
-    for (int64_t c = 0; c < C; ++c)
-        o[c] = r[c] * w[c];
-    for (int64_t j = 1; j <= width; ++j) {
-        const float *rj = r + j * x_stride;
-        const float *wj = w + j * C;
-        for (int64_t c = 0; c < C; ++c)
-            o[c] = fmaf(rj[c], wj[c], o[c]);
-    }
+            o[c] = fmaf(load_elem(r, j * x_stride + c, bf16), w[j * C + c], o[c]);
 }
 
 #ifdef HAVE_X86
-/* window_row_* for C a multiple of 16: sixteen channels at a time, the taps in registers. */
+/* window_row for C a multiple of 16: sixteen channels at a time, the taps in registers. */
 __attribute__((target("avx512f,fma")))
 static void window_row_avx512(const void *r, int64_t x_stride, int64_t C, int64_t width,
                               const float *w, float *o, int64_t bf16) {
@@ -301,10 +264,7 @@ void dasc_conv_prefill(const void *x, int64_t x_stride, const void *states, int6
                     window_row_avx512(r, x_stride, C, width, columns, o, bf16);
                 else
 #endif
-                if (bf16)
-                    window_row_bf16((const uint16_t *)r, x_stride, C, width, columns, o);
-                else
-                    window_row_f32((const float *)r, x_stride, C, width, columns, o);
+                    window_row(r, x_stride, C, width, columns, o, bf16);
             }
             if (out_bf16)
                 for (int64_t c = 0; c < C; ++c)
