@@ -28,6 +28,7 @@ from scheduler.serve_config import (
     Selection,
     ServeConfig,
 )
+from scheduler.step_costs import DECODE_FIRST
 
 POLICY = SchedulePolicy()  # lpm: docs/results/serving.md, "Schedule policies"
 
@@ -154,6 +155,11 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "decode-only steps, so a decode waits behind one prefill step in N + 1 "
                         "at most, and a prompt waits N decode steps at most (0: every step may "
                         "carry prefill)")
+    g.add_argument("--decode-first", choices=DECODE_FIRST, default=POLICY.decode_first,
+                   help="cost: while requests decode, a step defers prefill when the running "
+                        "decodes, finished first, would delay the waiting prompts less than the "
+                        "prefill would delay the decodes, by the ranks' measured step times; a "
+                        "prompt waits less than its own prefill takes (off: never defer)")
     g.add_argument("--checkpoint-eviction", choices=CKPT_EVICTIONS,
                    default=DEFAULT_CKPT_EVICTION,
                    help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
@@ -195,7 +201,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             a.prefill_mix_ratio, a.decode_interleave, a.checkpoint_eviction,
             a.checkpoint_admission,
             prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished,
-            park_finished=not a.no_park_finished),
+            park_finished=not a.no_park_finished, decode_first=a.decode_first),
         checkpoints=CheckpointSpec(a.wmax, Selection(a.selection), a.mask_seed,
                                    Payload.INT8 if a.int8_checkpoints else Payload.FP32,
                                    Placement(a.placement), LoadPolicy(a.load_policy)))

@@ -171,9 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "file" and args.prompt_file is None:
         print("dasc-loadgen: error: --workload file needs --prompt-file", file=sys.stderr)
         return 2
-    if args.concurrency < 1:
-        print("dasc-loadgen: error: --concurrency must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value, low in (("--concurrency", args.concurrency, 1),
+                             ("--num-groups", args.num_groups, 1),
+                             ("--prompts-per-group", args.prompts_per_group, 1),
+                             ("--prefix-len", args.prefix_len, 0),
+                             ("--suffix-len", args.suffix_len, 0),
+                             ("--max-tokens", args.max_tokens, 0)):
+        if value < low:  # an empty workload would "succeed" with no request sent
+            print(f"dasc-loadgen: error: {flag} must be at least {low} (got {value})",
+                  file=sys.stderr)
+            return 2
     if args.with_replies and args.workload != "multi-turn":
         print("dasc-loadgen: error: --with-replies needs --workload multi-turn", file=sys.stderr)
         return 2

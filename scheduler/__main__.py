@@ -133,7 +133,7 @@ def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
         load_policy=cfg.checkpoints.load_policy,
         refresh_window=info.refresh_window,
         policy=SchedulePolicy(s.schedule_policy, s.schedule_max_passes, s.prefill_mix_ratio,
-                              s.decode_interleave),
+                              s.decode_interleave, s.decode_first),
         ckpt_eviction=s.checkpoint_eviction,
         ckpt_admission=s.checkpoint_admission,
     )

@@ -19,6 +19,10 @@ Fairness bound (lpm): a request is *passed* once each time a request that arrive
 prefill in a step where it gets none.  Once passed ``max_passes`` times it is overdue: overdue
 requests go first, in arrival order, and are never deferred, so no request waits behind more
 than ``max_passes`` later arrivals (plus the steps those already hold).
+
+Decode first (either policy, ``decode_first="cost"``): a step also leaves its prefill out while
+the ranks' measured step times say the running decodes should finish first
+(scheduler/step_costs.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from scheduler.request import Req
+from scheduler.step_costs import DECODE_FIRST
 
 POLICIES = ("fcfs", "lpm")
 # lpm ranks at most this many of the oldest waiting requests per step (each costs a prefix
@@ -44,11 +49,15 @@ class SchedulePolicy:
     max_passes: int = 32
     mix_ratio: float = 8.0  # 0: never defer (order only)
     decode_steps: int = 0  # decode interleave: 0 lets every step carry prefill
+    decode_first: str = "off"  # "cost": defer prefill by the step costs (step_costs.py)
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.name!r}")
+        if self.decode_first not in DECODE_FIRST:
+            raise ValueError(f"decode_first must be one of {', '.join(DECODE_FIRST)}, "
+                             f"got {self.decode_first!r}")
         if self.max_passes < 0 or self.mix_ratio < 0 or self.decode_steps < 0:
             raise ValueError("max_passes, mix_ratio and decode_steps must be >= 0")
 

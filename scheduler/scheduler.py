@@ -79,6 +79,7 @@ class Scheduler:
         return self.planner.schedule()
 
     def process_result(self, result: StepResult) -> list[TokenOut]:
+        self.planner.observe(result.compute_s)
         outs = process_result(self.table, self.planner.inflight, result)
         self.planner.inflight = []
         return outs

@@ -107,6 +107,7 @@ class SchedulingConfig:
     prefix_cache: bool
     cache_finished: bool
     park_finished: bool = True
+    decode_first: str = "off"  # scheduler.step_costs.DECODE_FIRST
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,10 @@ several stores in one step) cost the multi-turn eviction sim up to 15 points of 
 pressure (docs/results/serving.md, session 15).  A cut whose store finds no checkpoint slot is
 dropped before the step is sent.
 
+While requests decode, a step's prefill may wait: ``--decode-interleave`` runs N decode-only steps
+between prefill steps, ``--decode-first cost`` defers prefill while the running decodes should
+finish first by the ranks' measured step times (scheduler/step_costs.py).
+
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
 ``--checkpoint-admission`` (scheduler/admission.py).
 
@@ -28,6 +32,7 @@ them matches nothing and prefills its whole prompt; its boundaries still store c
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import NamedTuple
 
 from scheduler.admission import store_points
@@ -38,6 +43,7 @@ from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.serve_config import LoadPolicy
+from scheduler.step_costs import StepCosts
 
 
 class InFlight(NamedTuple):
@@ -58,6 +64,8 @@ class StepPlanner:
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
         self._cut_room = 0  # this step's cuts inside a prompt: > 0 only for a lone prefill
+        self.costs = StepCosts()  # the ranks' step times, for --decode-first cost
+        self._prefill_tokens = 0  # prefill tokens of the step in flight
 
     def schedule(self) -> BatchPlan | None:
         """The next step; None when there is nothing to run.  An admission that fails after
@@ -76,14 +84,16 @@ class StepPlanner:
         alone = len(table.waiting) + sum(r.is_prefilling for r in table.running) == 1
         self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1) if alone else 0
         budget = self.cfg.chunked_prefill_size
-        for r in table.running:
-            if not r.is_prefilling:
-                self._add_seq(plan, r, r.computed + 1)
-                budget -= 1
+        decoding = [r for r in table.running if not r.is_prefilling]
+        for r in decoding:
+            self._add_seq(plan, r, r.computed + 1)
+        budget -= len(decoding)
         ckpt_locked = []
-        if self.cfg.policy.takes_prefill(bool(plan.seqs), self._decode_only_run):
+        if (self.cfg.policy.takes_prefill(bool(plan.seqs), self._decode_only_run)
+                and not self._decodes_first(decoding, budget)):
             ckpt_locked = self._add_prefills(plan, budget)
-        has_prefill = any(f.req.is_prefilling for f in self.inflight)
+        self._prefill_tokens = sum(f.num_tokens for f in self.inflight if f.req.is_prefilling)
+        has_prefill = self._prefill_tokens > 0
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
         # stores are planned after every match, so they never feed this step's loads
         for f in self.inflight:
@@ -99,6 +109,26 @@ class StepPlanner:
             return None
         plan.release, plan.tables = table.take_table_changes()
         return plan
+
+    def observe(self, compute_s: float) -> None:
+        """The ranks' time for the step in flight (``StepResult.compute_s``)."""
+        self.costs.observe(len(self.inflight), self._prefill_tokens, compute_s)
+
+    def _decodes_first(self, decoding: list[Req], budget: int) -> bool:
+        """``--decode-first cost``: whether this step leaves its prefill out, by the step
+        costs' rule over the prefill it would take (up to ``budget`` tokens)."""
+        if self.cfg.policy.decode_first != "cost" or not decoding or budget <= 0:
+            return False
+        table = self.table
+        prefilling = [r for r in table.running if r.is_prefilling]
+        tokens = 0
+        for r in prefilling + list(islice(table.waiting, budget)):
+            tokens += self._remaining_prefill(r)
+            if tokens >= budget:
+                break
+        left = max(r.sampling.max_tokens - len(r.output) for r in decoding)
+        return self.costs.defers(len(decoding), left, len(prefilling) + len(table.waiting),
+                                 min(tokens, budget))
 
     def _next_step_id(self) -> int:
         self._step_id += 1

@@ -27,8 +27,9 @@ def make(**kw) -> Scheduler:
 class Loop:
     """The scheduler process's loop without I/O: schedule, execute, process_result."""
 
-    def __init__(self, s: Scheduler, token_fn):
-        self.s, self.token_fn = s, token_fn
+    def __init__(self, s: Scheduler, token_fn, step_s=None):
+        """``step_s(plan)``: the ranks' time for a plan (``StepResult.compute_s``; 0 if None)."""
+        self.s, self.token_fn, self.step_s = s, token_fn, step_s
         self.ranks = FakeRanks(s)
         self.outs: dict[str, list[TokenOut]] = {}
         self.plans: list[BatchPlan] = []
@@ -69,7 +70,8 @@ class Loop:
         self.ranks.execute(plan)
         running = list(s.running)
         tokens = [self.token_fn(q) for q in plan.seqs if q.sample is not None]
-        outs = s.process_result(StepResult(plan.step_id, tokens, 0.0, [0.0] * len(tokens)))
+        compute_s = self.step_s(plan) if self.step_s else 0.0
+        outs = s.process_result(StepResult(plan.step_id, tokens, compute_s, [0.0] * len(tokens)))
         s.check_integrity()
         self.check_ckpt_counter()
         for o in outs:

@@ -169,3 +169,15 @@ def test_chat_turns_carry_only_their_new_tokens_and_only_later_turns_extend(caps
     code = main(["--base-url", "http://127.0.0.1:9", "--workload", "shared-prefix",
                  "--with-replies"])
     assert code == 2 and "--with-replies needs --workload multi-turn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value", "low"), [
+    ("--num-groups", "0", 1), ("--prompts-per-group", "0", 1), ("--concurrency", "0", 1),
+    ("--prefix-len", "-1", 0), ("--suffix-len", "-1", 0), ("--max-tokens", "-1", 0)])
+def test_counts_that_would_send_nothing_are_refused(capsys, flag, value, low):
+    """An empty workload is an error before anything is sent, not a run of no requests."""
+    from loadgen.cli import main
+
+    code = main(["--base-url", "http://127.0.0.1:9", "--workload", "multi-turn", flag, value])
+    assert code == 2
+    assert f"{flag} must be at least {low} (got {value})" in capsys.readouterr().err

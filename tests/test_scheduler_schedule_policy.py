@@ -240,8 +240,8 @@ def test_flags_reach_the_scheduler_process():
 
     policy, eviction = policy_of("--schedule-policy", "fcfs", "--schedule-max-passes", "5",
                                  "--prefill-mix-ratio", "4", "--decode-interleave", "6",
-                                 "--checkpoint-eviction", "lru")
-    assert policy == SchedulePolicy("fcfs", 5, 4.0, 6) and eviction == "lru"
+                                 "--decode-first", "cost", "--checkpoint-eviction", "lru")
+    assert policy == SchedulePolicy("fcfs", 5, 4.0, 6, "cost") and eviction == "lru"
     assert policy_of() == (SchedulePolicy(), "reuse")
 
 
