@@ -36,7 +36,7 @@ from itertools import islice
 from typing import NamedTuple
 
 from scheduler.admission import store_points
-from scheduler.policy import count_passes
+from scheduler.policy import LPM_MAX_RANKED, count_passes
 from scheduler.radix_cache import Node
 from scheduler.rank_messages import BatchPlan, LogitControls, Sample, SeqStep
 from scheduler.request import Req
@@ -122,7 +122,7 @@ class StepPlanner:
         table = self.table
         prefilling = [r for r in table.running if r.is_prefilling]
         tokens = 0
-        for r in prefilling + list(islice(table.waiting, budget)):
+        for r in prefilling + list(islice(table.waiting, LPM_MAX_RANKED)):  # as lpm ranks
             tokens += self._remaining_prefill(r)
             if tokens >= budget:
                 break
