@@ -94,3 +94,28 @@ def test_cpu_decode_forms_give_the_token_major_views_bits(width):
         alone = table[i : i + 1, : lens[i]]
         want = _token_major_decode(q[i : i + 1], *views(alone), lens[i : i + 1], 256**-0.5)
         assert torch.equal(got[i : i + 1], want)
+
+
+@pytest.mark.parametrize("prefix", [0, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_prefill_with_narrower_values_runs_flash_attention(prefix, dtype):
+    """MLA's values are narrower than its keys (128 against 192): on a CPU the prefill pads
+    them to the key width so that torch's flash kernel runs (it wants one head size; SDPA fell
+    back to its 2.4x slower math form).  Only the flash backend is allowed here, so without the
+    padding this raises; the result equals the explicit softmax in float64."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n, heads, dim, v_dim = 40, 4, 24, 16
+    gen = torch.Generator().manual_seed(prefix)
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(prefix + n, heads, dim, generator=gen).to(dtype)
+    v = torch.randn(prefix + n, heads, v_dim, generator=gen).to(dtype)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        got = causal_attention(q, k, v, prefix, dim**-0.5)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * dim**-0.5
+    seen = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
+    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1),
+                        v.double())
+    assert got.shape == (n, heads, v_dim) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
