@@ -8,6 +8,8 @@ step times from a cost model: ``DECODE_S`` a step plus ``TOKEN_S`` per prefill t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens
 
@@ -51,7 +53,7 @@ def test_defers_by_total_delay_and_never_longer_than_the_prefill(decoding, left,
     assert StepCosts().defers(decoding, left, waiting, tokens) is False  # nothing measured
 
 
-def step_s(loop_ref: list) -> callable:
+def step_s(loop_ref: list) -> Callable[[BatchPlan], float]:
     """The cost model over a plan: prefill tokens are those of sequences still in their
     prompt (the scheduler's requests, looked up by rid)."""
     def cost(plan: BatchPlan) -> float:
