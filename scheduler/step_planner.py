@@ -66,6 +66,7 @@ class StepPlanner:
         self._cut_room = 0  # this step's cuts inside a prompt: > 0 only for a lone prefill
         self.costs = StepCosts()  # the ranks' step times, for --decode-first cost
         self._prefill_tokens = 0  # prefill tokens of the step in flight
+        self._remaining: dict[str, int] = {}  # this step's _remaining_prefill, by rid
 
     def schedule(self) -> BatchPlan | None:
         """The next step; None when there is nothing to run.  An admission that fails after
@@ -84,6 +85,7 @@ class StepPlanner:
         alone = len(table.waiting) + sum(r.is_prefilling for r in table.running) == 1
         self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1) if alone else 0
         budget = self.cfg.chunked_prefill_size
+        self._remaining = {}
         decoding = [r for r in table.running if not r.is_prefilling]
         for r in decoding:
             self._add_seq(plan, r, r.computed + 1)
@@ -123,7 +125,7 @@ class StepPlanner:
         prefilling = [r for r in table.running if r.is_prefilling]
         tokens = 0
         for r in prefilling + list(islice(table.waiting, LPM_MAX_RANKED)):  # as lpm ranks
-            tokens += self._remaining_prefill(r)
+            tokens += self._remaining_prefill(r)  # memoised: _add_prefills reads it again
             if tokens >= budget:
                 break
         left = max(r.sampling.max_tokens - len(r.output) for r in decoding)
@@ -140,13 +142,7 @@ class StepPlanner:
         does not fit, no other is).  Returns the nodes whose checkpoints this step loads."""
         policy, table = self.cfg.policy, self.table
         prefilling = [r for r in table.running if r.is_prefilling]
-        remaining: dict[str, int] = {}
-
-        def remaining_of(r: Req) -> int:
-            if r.rid not in remaining:
-                remaining[r.rid] = self._remaining_prefill(r)
-            return remaining[r.rid]
-
+        remaining_of = self._remaining_prefill
         served, skipped, ckpt_locked = [], [], []
         longest, can_admit = 0, True
         for r in policy.order(prefilling, table.waiting, remaining_of):
@@ -174,12 +170,17 @@ class StepPlanner:
         return self.cfg.prefix_cache and not r.sampling.prompt_logprobs
 
     def _remaining_prefill(self, r: Req) -> int:
-        """Prompt tokens left to compute; for a waiting request, after the hit it would get."""
-        if r.slot != 0:
-            return len(r.prompt) - r.computed
-        if not self._can_hit(r):
-            return len(r.prompt)
-        return len(r.prompt) - self.table.cache.match_len(r.prompt, len(r.prompt) - 1)
+        """Prompt tokens left to compute; for a waiting request, after the hit it would get
+        (a prefix match, so memoised for the step being planned)."""
+        if r.rid not in self._remaining:
+            if r.slot != 0:
+                left = len(r.prompt) - r.computed
+            elif not self._can_hit(r):
+                left = len(r.prompt)
+            else:
+                left = len(r.prompt) - self.table.cache.match_len(r.prompt, len(r.prompt) - 1)
+            self._remaining[r.rid] = left
+        return self._remaining[r.rid]
 
     def _admit(self, r: Req, plan: BatchPlan, ckpt_locked: list[Node]) -> bool:
         """Match the prompt, lock the hit, reserve KV rows and an active slot: the hit's

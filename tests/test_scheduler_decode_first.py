@@ -53,13 +53,12 @@ def test_defers_by_total_delay_and_never_longer_than_the_prefill(decoding, left,
     assert StepCosts().defers(decoding, left, waiting, tokens) is False  # nothing measured
 
 
-def step_s(loop_ref: list) -> Callable[[BatchPlan], float]:
+def step_s(loop: Loop) -> Callable[[BatchPlan], float]:
     """The cost model over a plan: prefill tokens are those of sequences still in their
-    prompt (the scheduler's requests, looked up by rid)."""
+    prompt (the loop's requests, looked up by rid)."""
     def cost(plan: BatchPlan) -> float:
-        reqs = loop_ref[0].reqs
         tokens = sum(len(q.token_ids) for q in plan.seqs
-                     if q.prefix_len < len(reqs[q.rid].prompt))
+                     if q.prefix_len < len(loop.reqs[q.rid].prompt))
         return (DECODE_S if plan.seqs else 0.0) + TOKEN_S * tokens
     return cost
 
@@ -69,9 +68,8 @@ def decoding_loop(decode_first: str, max_tokens: int, measured: bool = True):
     the scheduler has seen decode-only steps and a prefill step of 64 tokens."""
     s = make(max_total_tokens=4000, chunked_prefill_size=512, checkpoint_interval=0,
              policy=SchedulePolicy("lpm", decode_first=decode_first))
-    ref = []
-    loop = Loop(s, random_tokens(), step_s(ref))
-    ref.append(loop)
+    loop = Loop(s, random_tokens())
+    loop.step_s = step_s(loop)
     assert loop.add("a", prompt_of(8, seed=1), max_tokens) is None
     loop.step()
     if measured:

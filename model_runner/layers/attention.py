@@ -78,13 +78,12 @@ def _sdpa_causal(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
         # Head-major copies: torch's CPU flash attention took 1.1-1.2x as long over the
         # token-major views, copies included (Qwen3-Next's 16 / 2 heads of 256, 1,024 queries,
         # bf16), and gives the same bits.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if dv < q.shape[-1]:
-            # CPU flash attention needs one head size: with MLA's values (128) narrower than
-            # its keys (192) SDPA fell back to its math form, 513 against 217 ms a layer for
-            # Kimi-Linear's 32 heads and 1,024 queries (bf16, one core).  Zero value columns
-            # add nothing to the kept ones.
-            v = F.pad(v, (0, q.shape[-1] - dv))
+        # CPU flash attention needs one head size: with MLA's values (128) narrower than its
+        # keys (192) SDPA fell back to its math form, 513 against 217 ms a layer for
+        # Kimi-Linear's 32 heads and 1,024 queries (bf16, one core).  Zero value columns add
+        # nothing to the kept ones; the padded copy is head-major too.
+        q, k = q.contiguous(), k.contiguous()
+        v = F.pad(v, (0, q.shape[-1] - dv)) if dv < q.shape[-1] else v.contiguous()
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=n > 1 and prefix_len == 0, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])  # [1, H, n, Dv]
