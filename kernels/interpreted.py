@@ -51,9 +51,30 @@ def run_interpreted(
         return torch.load(result, weights_only=True)
 
 
+def _index_scalars_of_any_rank() -> None:
+    """Let a kernel loop up to a scalar argument (`range(0, dim, BLOCK)`) on numpy >= 2.5.
+
+    Triton's interpreter holds a scalar argument as a one-element 1-d array and, before Triton
+    3.9, indexed it with `int(array)`, which numpy 2.5 refuses ("only 0-dimensional arrays can
+    be converted to Python scalars"): seen with Triton 3.6 and numpy 2.5.2, the image of an H200
+    machine.  The interpreter patches `tl.tensor` for each launch and undoes it afterwards; this
+    adds one more patch to the same scope, so it is undone with the rest.
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
 def _main(request_path: str, result_path: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 before starting this entry point")
+    _index_scalars_of_any_rank()
     request = torch.load(request_path, weights_only=True)
     module = importlib.import_module(request["module"])
     results = [getattr(module, name)(*args) for name, args in request["calls"]]

@@ -3,6 +3,7 @@
 # first run also compiles and autotunes fla's and the project's Triton kernels and captures the
 # CUDA graphs: the timeouts below, ~45 minutes in all, are sized for that):
 #   bash tests/gpu/validate.sh [OUT_DIR]
+# (pytest is stopped with SIGINT at its limit, so it still prints which tests passed and failed)
 # 0. a CUDA build of torch and a visible device,
 # 1. CUDA parity tests against the CPU reference (runner, Triton checkpoint kernels, serving)
 #    and CUDA-graph replay against eager CUDA decode, token for token, fla's kernels fed bf16
@@ -30,7 +31,7 @@ if not torch.cuda.is_available():
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
 PY
 status=0
-TRITON_F32_DEFAULT=ieee timeout 1200 python -m pytest -q -rs tests/test_cuda_path.py tests/test_decode_graphs.py \
+TRITON_F32_DEFAULT=ieee timeout -s INT -k 30 1200 python -m pytest -q -rfEs tests/test_cuda_path.py tests/test_decode_graphs.py \
     tests/test_kernels_ragged.py tests/test_kernels_int8.py tests/test_cuda_serving.py \
     tests/test_cuda_bf16_operands.py 2>&1 | tee "$out/tests.txt" | tail -n 25 || status=1
 timeout 240 python -m loadgen.bench.checkpoint_speed --device cuda --repeats 20 > "$out/checkpoint.txt" 2>&1 || status=1
