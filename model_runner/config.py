@@ -1,6 +1,7 @@
-"""Model configuration parsed from a Hugging Face config.json (Qwen3-Next and Kimi-Linear).
+"""Model configuration parsed from a Hugging Face config.json (Qwen3-Next, Qwen3.5 dense and
+MoE, OLMo-Hybrid, Kimi-Linear).
 
-One frozen dataclass for both architectures; fields keep the Hugging Face names where one exists.
+One frozen dataclass for every architecture; fields keep the Hugging Face names where one exists.
 Everything the runner, the compression plan and the byte accounting need is derived here, so
 the plan CLI can work from config.json alone.
 """
@@ -13,7 +14,17 @@ from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "kimi-linear-tiny"
 
-ARCHITECTURES = {"Qwen3NextForCausalLM": "gdn", "KimiLinearForCausalLM": "kda"}
+# `architectures[0]` -> linear-attention kind.  The Qwen3.5 `...ForConditionalGeneration`
+# checkpoints (what Qwen ships) keep the language model's fields under `text_config`.
+ARCHITECTURES = {
+    "Qwen3NextForCausalLM": "gdn",
+    "Qwen3_5ForCausalLM": "gdn",
+    "Qwen3_5ForConditionalGeneration": "gdn",
+    "Qwen3_5MoeForCausalLM": "gdn",
+    "Qwen3_5MoeForConditionalGeneration": "gdn",
+    "OlmoHybridForCausalLM": "gdn",
+    "KimiLinearForCausalLM": "kda",
+}
 
 
 class ConfigError(ValueError):
@@ -60,6 +71,8 @@ class ModelConfig:
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
     eos_token_id: int | None = None
+    linear_beta_scale: float = 1.0  # 2.0: OLMo-Hybrid's negative eigenvalues (beta in [0, 2])
+    use_rope: bool = True  # False: no rotary on the full-attention layers (OLMo-Hybrid NoPE)
 
     @property
     def is_kda(self) -> bool:
@@ -125,6 +138,13 @@ class ModelConfig:
             raise ConfigError(f"{source}: architectures={archs!r} is not supported "
                               f"(known: {known})")
         parse = _parse_kda if ARCHITECTURES[arch] == "kda" else _parse_gdn
+        text = raw.get("text_config")
+        if arch.endswith("ForConditionalGeneration"):
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: {arch} needs a 'text_config' object")
+            # the language model's fields; the top level's tie_word_embeddings wins where set
+            top = {k: raw[k] for k in ("architectures", "tie_word_embeddings") if k in raw}
+            raw, source = {**text, **top}, f"{source}:text_config"
         cfg = parse(_Fields(raw, source))
         _validate(cfg, source)
         return cfg
@@ -165,7 +185,7 @@ def _common(f: _Fields) -> dict:
         rms_norm_eps=f.get("rms_norm_eps", default=1e-6, kind=float),
         hidden_act=f.get("hidden_act", default="silu", kind=str),
         tie_word_embeddings=f.get("tie_word_embeddings", default=False, kind=bool),
-        intermediate_size=f.get("intermediate_size"),
+        intermediate_size=f.get("intermediate_size", default=0),  # MoE-only models have none
         num_attention_heads=f.get("num_attention_heads"),
         eos_token_id=eos if isinstance(eos, int) else None,
     )
@@ -185,6 +205,14 @@ def _parse_gdn(f: _Fields) -> ModelConfig:
     mlp_types = ["sparse" if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
                  else "dense" for i in range(n)]
     rope = f.raw.get("rope_parameters") or {}
+    olmo = c["architecture"] == "OlmoHybridForCausalLM"
+    if olmo:  # transformers' defaults where an OLMo-Hybrid config leaves a field out
+        heads = c["num_attention_heads"]
+        key_heads = f.get("linear_num_key_heads", default=heads)
+        key_dim = f.get("linear_key_head_dim", default=int(0.75 * c["hidden_size"] / key_heads))
+        f.raw = {"linear_num_key_heads": key_heads, "linear_num_value_heads": heads,
+                 "linear_key_head_dim": key_dim, "linear_value_head_dim": 2 * key_dim,
+                 "num_key_value_heads": heads, **{k: v for k, v in f.raw.items() if v is not None}}
     return ModelConfig(
         **c,
         linear_kind="gdn",
@@ -200,10 +228,11 @@ def _parse_gdn(f: _Fields) -> ModelConfig:
         topk_group=1,
         num_key_value_heads=f.get("num_key_value_heads"),
         head_dim=f.get("head_dim", default=c["hidden_size"] // c["num_attention_heads"]),
-        rope_theta=float(rope.get("rope_theta", f.get("rope_theta", default=10000.0, kind=float))),
+        rope_theta=float(rope.get("rope_theta") or f.get("rope_theta", default=10000.0,
+                                                         kind=float)),
         partial_rotary_factor=float(
             rope.get("partial_rotary_factor",
-                     f.get("partial_rotary_factor", default=0.25, kind=float))),
+                     f.get("partial_rotary_factor", default=1.0 if olmo else 0.25, kind=float))),
         q_lora_rank=None,
         kv_lora_rank=0,
         qk_nope_head_dim=0,
@@ -214,6 +243,11 @@ def _parse_gdn(f: _Fields) -> ModelConfig:
         linear_key_head_dim=f.get("linear_key_head_dim"),
         linear_value_head_dim=f.get("linear_value_head_dim"),
         linear_conv_kernel_dim=f.get("linear_conv_kernel_dim", default=4),
+        linear_beta_scale=2.0 if olmo and f.get("linear_allow_neg_eigval", default=True,
+                                                kind=bool) else 1.0,
+        # transformers gives an OLMo-Hybrid config without rope_parameters the default rotary
+        # (theta 10^4); only an explicit "rope_theta": null turns it off (NoPE)
+        use_rope=not olmo or "rope_theta" not in rope or rope["rope_theta"] is not None,
     )
 
 
@@ -292,6 +326,8 @@ def _validate(cfg: ModelConfig, source: str) -> None:
             fail(name, "must be positive")
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         fail("linear_num_value_heads", "must be a multiple of linear_num_key_heads")
+    if "dense" in cfg.mlp_types and cfg.intermediate_size <= 0:
+        fail("intermediate_size", "must be positive when dense MLP layers are present")
     if "sparse" in cfg.mlp_types and (cfg.num_experts <= 0 or cfg.num_experts_per_tok <= 0):
         fail("num_experts", "must be positive when MoE layers are present")
     if cfg.num_attention_heads % cfg.num_key_value_heads:

@@ -15,12 +15,18 @@ from model_runner.config import ModelConfig
 from model_runner.model_files import WeightsError, weight_files
 from model_runner.models.common import HybridForCausalLM
 from model_runner.models.kimi_linear import KimiLinearForCausalLM
+from model_runner.models.olmo_hybrid import OlmoHybridForCausalLM
+from model_runner.models.qwen3_5 import Qwen3_5ForCausalLM
 from model_runner.models.qwen3_next import Qwen3NextForCausalLM
 from model_runner.parallel import TPGroup
 
 MODEL_CLASSES: dict[str, type[HybridForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
+    **{arch: Qwen3_5ForCausalLM for arch in (
+        "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")},
 }
 
 
@@ -52,8 +58,12 @@ def load_weights(model: HybridForCausalLM, model_dir: Path) -> None:
     if model.cfg.tie_word_embeddings and ("lm_head.weight", None) not in loaded:
         model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
         loaded.add(("lm_head.weight", None))
-    missing = sorted(name for name, p in params.items()
-                     if any((name, s) not in loaded for s in p.shard_ids))
+    def complete(name: str, p: torch.nn.Parameter) -> bool:
+        whole = getattr(p, "whole_shard", None)
+        return (whole is not None and (name, whole) in loaded) or all(
+            (name, s) in loaded for s in p.shard_ids)
+
+    missing = sorted(name for name, p in params.items() if not complete(name, p))
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{model_dir}: missing weights {', '.join(missing[:3])}{more}")

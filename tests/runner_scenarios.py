@@ -25,6 +25,15 @@ CONFIGS = {
                                  num_attention_heads=3, num_key_value_heads=3,
                                  num_hidden_layers=3, layer_types=["linear_attention",
                                  "full_attention", "linear_attention"])),
+    # Qwen3.5: text-only and as shipped (vision tower, language model nested), dense and MoE
+    # (fused experts on disk), GVA ratios 1, 2 and 3, tied embeddings
+    "qwen3_5-gva1": ("qwen3_5", dict(linear_num_value_heads=2)),
+    "qwen3_5-vl-gva3": ("qwen3_5_vl", dict(linear_num_key_heads=1, linear_num_value_heads=3,
+                                           tie_word_embeddings=False)),
+    "qwen3_5-moe-gva2": ("qwen3_5_moe", dict(num_key_value_heads=1)),
+    "qwen3_5-moe-vl": ("qwen3_5_moe_vl", dict()),
+    # OLMo-Hybrid: negative eigenvalues, post-norm attention, value heads wider than keys
+    "olmo-hybrid-gva2": ("olmo_hybrid", dict()),
 }
 
 

@@ -21,7 +21,7 @@ def test_runner_matches_transformers(name, tmp_path):
     arch, overrides = CONFIGS[name]
     hf = make_model(arch, tmp_path, seed=len(name), **overrides)
     runner = make_runner(str(tmp_path))
-    ps = prompts(hf.config.vocab_size)
+    ps = prompts(hf.config.get_text_config().vocab_size)
     res = run_scenarios(runner, ps, STEPS)
     check_against_reference(hf, ps, STEPS, res)
 

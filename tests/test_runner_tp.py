@@ -1,4 +1,5 @@
-"""Tensor parallelism over real torchrun + gloo: TP=2 and TP=4, each against transformers
+"""Tensor parallelism over real torchrun + gloo: TP=2 and TP=4, each against transformers, for
+every architecture
 (prefill logits, 16 greedy decode steps, batched prefill, state round trip).  No 8-rank run:
 8 ranks on 2 cores took 30 s of the suite and TP=4 already gives one KDA head per rank.
 
@@ -18,13 +19,22 @@ from conftest import TESTS
 from random_checkpoints import make_model
 from runner_scenarios import STEPS, assert_rel_close, check_against_reference, prompts
 
+# Qwen3.5 and OLMo-Hybrid: every architecture at both degrees, GVA ratios 1 to 3; OLMo's q/k
+# norms span the heads of every rank
+QWEN3_5_OLMO = [("qwen3_5", dict(linear_num_key_heads=4, linear_num_value_heads=4)),
+                ("qwen3_5_vl", dict(linear_num_key_heads=4, linear_num_value_heads=12)),
+                ("qwen3_5_moe", dict(linear_num_key_heads=4, linear_num_value_heads=8)),
+                ("qwen3_5_moe_vl", dict(linear_num_key_heads=4, linear_num_value_heads=8)),
+                ("olmo_hybrid", dict(linear_num_key_heads=4, linear_num_value_heads=8))]
 JOBS = {
     2: [("gdn", dict(linear_num_key_heads=4, linear_num_value_heads=8)),  # GVA ratio 2
         ("kda", dict()),
         ("gdn", dict()),  # 2 key heads -> one bundle per rank
-        ("kda", dict(q_lora_rank=24, first_k_dense_replace=2))],
+        ("kda", dict(q_lora_rank=24, first_k_dense_replace=2)),
+        *QWEN3_5_OLMO],
     4: [("kda", dict()),
-        ("gdn", dict(linear_num_key_heads=4, linear_num_value_heads=8))],
+        ("gdn", dict(linear_num_key_heads=4, linear_num_value_heads=8)),
+        *QWEN3_5_OLMO],
 }
 
 
@@ -34,11 +44,12 @@ def test_tp_matches_transformers(tp, tmp_path, torchrun):
     for i, (arch, overrides) in enumerate(JOBS[tp]):
         model_dir = tmp_path / f"m{i}"
         hf = make_model(arch, model_dir, seed=10 * tp + i, **overrides)
-        ps = prompts(hf.config.vocab_size, seed=i)
+        ps = prompts(hf.config.get_text_config().vocab_size, seed=i)
         refs.append((hf, ps))
         jobs.append({"model_dir": str(model_dir), "prompts": ps, "steps": STEPS})
     if tp in (2, 4):  # job 0 again, bundles permuted differently in every linear layer
-        num_linear = sum(t == "linear_attention" for t in refs[0][0].config.layer_types)
+        types = refs[0][0].config.get_text_config().layer_types
+        num_linear = sum(t == "linear_attention" for t in types)
         gen = torch.Generator().manual_seed(tp)
         order = [torch.randperm(4, generator=gen).tolist() for _ in range(num_linear)]
         jobs.append(dict(jobs[0], head_order=order))

@@ -1,7 +1,8 @@
 """Dense checkpoints (--wmax 0) through a real dasc-serve: greedy tokens through the prefix cache
 equal the offline engine's (no cache) for A,B,B,A interleaving, shared-prefix families, prompts
 shorter than the checkpoint interval, exact repeats (which must hit), multi-turn follow-ups and
-related prompts arriving together while cold.  Both architectures, TP=1 and TP=2.
+related prompts arriving together while cold.  Kimi-Linear and Qwen3-Next (built in) and a
+random Qwen3.5 as Qwen ships it (vision tower beside a nested language model), TP=1 and TP=2.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from random_checkpoints import make_served_model
 from serving import KIMI, QWEN, ids, running_server
 from serving_reference import FAMILY, MAX_TOKENS, PROMPT_A, PROMPT_B, SHARED, Reference
 
@@ -16,10 +18,21 @@ INTERVAL = 32
 SHORT = ids("Hi there.")  # shorter than the checkpoint interval
 
 
-@pytest.fixture(scope="module", params=[(KIMI, 1), (KIMI, 2), (QWEN, 1), (QWEN, 2)],
-                ids=["kimi-tp1", "kimi-tp2", "qwen-tp1", "qwen-tp2"])
+@pytest.fixture(scope="module")
+def qwen3_5_dir(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("qwen3_5")
+    make_served_model("qwen3_5_vl", model_dir, seed=5)
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=[(KIMI, 1), (KIMI, 2), (QWEN, 1), (QWEN, 2),
+                                        ("qwen3_5", 1), ("qwen3_5", 2)],
+                ids=["kimi-tp1", "kimi-tp2", "qwen-tp1", "qwen-tp2", "qwen3_5-tp1",
+                     "qwen3_5-tp2"])
 def served(request):
     model, tp = request.param
+    if model == "qwen3_5":
+        model = request.getfixturevalue("qwen3_5_dir")
     with running_server("--model", str(model), "--tp", str(tp), "--wmax", "0",
                         "--checkpoint-interval", str(INTERVAL)) as server:
         yield server, Reference(model)

@@ -3,6 +3,7 @@
 A model directory holds either `model.safetensors` or shards named by
 `model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Layer i uses
     GDN: model.layers.{i}.linear_attn.{A_log [H_v], dt_bias [H_v]}
+         (model.language_model.layers.{i}... in Qwen3.5's ...ForConditionalGeneration)
     KDA: model.layers.{i}.self_attn.{A_log (1,1,H,1), dt_bias (H*K,)}
 """
 
@@ -24,7 +25,9 @@ SINGLE_NAME = "model.safetensors"
 def decay_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, str]:
     """On-disk names of (A_log, dt_bias) for model layer `layer` (0-based)."""
     module = "self_attn" if cfg.is_kda else "linear_attn"
-    prefix = f"model.layers.{layer}.{module}"
+    # Qwen3.5 as shipped (...ForConditionalGeneration) nests the language model
+    nest = "language_model." if cfg.architecture.endswith("ForConditionalGeneration") else ""
+    prefix = f"model.{nest}layers.{layer}.{module}"
     return f"{prefix}.A_log", f"{prefix}.dt_bias"
 
 

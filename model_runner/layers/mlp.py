@@ -147,6 +147,7 @@ class SparseMoE(nn.Module):
         self.w2.weight_loader = self._expert_loader(index, dim=1)
         self.w13.shard_ids = {(half, e) for half in (0, 1) for e in range(num_experts)}
         self.w2.shard_ids = set(range(num_experts))
+        self.w13.whole_shard = self.w2.whole_shard = "fused"  # one tensor holding every expert
         self.shared_expert = DenseMLP(hidden, cfg.shared_expert_intermediate_size, tp, dtype,
                                       reduce=False, field="shared_expert_intermediate_size")
         if cfg.is_kda:
@@ -158,7 +159,21 @@ class SparseMoE(nn.Module):
 
     @staticmethod
     def _expert_loader(index: torch.Tensor, dim: int):
-        def load(p: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int) -> None:
+        def load(p: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int | str
+                 ) -> None:
+            if shard_id == "fused":  # every expert at once: [E, 2I, H] (gate | up) or [E, H, I]
+                if loaded.dim() != 3 or loaded.shape[0] != p.shape[0]:
+                    raise ValueError(f"shape {tuple(loaded.shape)} does not hold "
+                                     f"{p.shape[0]} experts")
+                if dim == 0:
+                    inter = loaded.shape[1] // 2
+                    for half in (0, 1):
+                        for e in range(p.shape[0]):
+                            load(p, loaded[e, half * inter:(half + 1) * inter], (half, e))
+                else:
+                    for e in range(p.shape[0]):
+                        load(p, loaded[e], e)
+                return
             if isinstance(shard_id, tuple):  # (0 gate | 1 up, expert)
                 half, expert = shard_id
                 dst = p.data[expert].t().narrow(0, half * len(index), len(index))

@@ -1,7 +1,8 @@
 """RMS norms in the exact operation order of each architecture (needed for bitwise-close logits).
 
-Qwen3-Next: ``(x_hat * (1 + w)).to(dtype)``, gated ``(w * x_hat.to(dtype)) * silu(z)``.
+Qwen3-Next and Qwen3.5: ``(x_hat * (1 + w)).to(dtype)``, gated ``(w * x_hat.to(dtype)) * silu(z)``.
 Kimi-Linear (Llama style): ``w * x_hat.to(dtype)``, gated ``w * x_hat * sigmoid(z)`` in FP32.
+OLMo-Hybrid: ``(w * x_hat).to(dtype)`` (the product in FP32), gated as Qwen's.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, unit_offset: bool):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, unit_offset: bool,
+                 fp32_product: bool = False):
         super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
+        self.eps, self.unit_offset, self.fp32_product = eps, unit_offset, fp32_product
         self.weight = attach_loader(new_param(dim, dtype=dtype), {None: None})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.unit_offset:  # Qwen3-Next stores w - 1
+        if self.unit_offset:  # Qwen stores w - 1
             return (_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
+        if self.fp32_product:
+            return (self.weight * _normalize(x, self.eps)).to(x.dtype)
         return self.weight * _normalize(x, self.eps).to(x.dtype)
 
 

@@ -1,9 +1,10 @@
-"""Parts shared by both hybrid architectures: step context, the recurrent-state plumbing of a
+"""Parts shared by the hybrid architectures: step context, the recurrent-state plumbing of a
 linear-attention layer, the decoder layer, and the causal-LM shell with its name mapping."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,14 +127,20 @@ def rank_bundles(cfg: ModelConfig, tp: TPGroup, head_order: list[list[int]] | No
     return owned_bundles(check_head_order(cfg, head_order), tp.rank, tp.size)
 
 
+def default_norm(cfg: ModelConfig, dtype: torch.dtype) -> Callable[[int], nn.Module]:
+    """The family's hidden-state RMSNorm: Qwen's (1 + w) for GDN models, Llama's for KDA."""
+    return lambda dim: RMSNorm(dim, cfg.rms_norm_eps, dtype, unit_offset=not cfg.is_kda)
+
+
 class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``."""
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, mixer: nn.Module,
-                 mixer_name: str, layer_id: int):
+                 mixer_name: str, layer_id: int, norm: Callable[[int], nn.Module] | None = None):
         super().__init__()
-        qwen_norm = not cfg.is_kda
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, qwen_norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
-                                                qwen_norm)
+        norm = norm or default_norm(cfg, dtype)
+        self.input_layernorm = norm(cfg.hidden_size)
+        self.post_attention_layernorm = norm(cfg.hidden_size)
         self.mixer_name = mixer_name
         self.add_module(mixer_name, mixer)
         if cfg.mlp_types[layer_id] == "sparse":
@@ -152,11 +159,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layers: list[nn.Module]):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layers: list[nn.Module],
+                 norm: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, not cfg.is_kda)
+        self.norm = norm(cfg.hidden_size)
 
 
 class HybridForCausalLM(nn.Module):
@@ -165,11 +173,12 @@ class HybridForCausalLM(nn.Module):
     # (on-disk pattern, parameter name, shard id); the first match wins; None drops the tensor
     name_rules: list[tuple[str, str | None, object]] = []
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layers: list[nn.Module]):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layers: list[nn.Module],
+                 norm: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.last_linear = max(cfg.linear_layer_ids, default=-1)  # where replays leave
-        self.model = Backbone(cfg, tp, dtype, layers)
+        self.model = Backbone(cfg, tp, dtype, layers, norm or default_norm(cfg, dtype))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
     def forward(self, ctx: StepContext, all_logits: bool = False) -> torch.Tensor:

@@ -38,8 +38,16 @@ from model_runner.parallel import TPGroup
 
 
 class GatedDeltaNet(nn.Module):
+    """The GDN mixer.  Its projections are kept in one layout whatever the checkpoint's:
+    ``in_proj_qkvz`` outputs ``[q | k | v | z]`` over this rank's bundles (conv-channel order
+    first), ``in_proj_ba`` outputs ``[b | a]``; ``build_projections`` says where those rows
+    come from on disk (Qwen3-Next's per-bundle fused rows here, split tensors in the other
+    families' subclasses)."""
+
+    beta_scale = 1.0  # OLMo-Hybrid: 2.0 (negative eigenvalues)
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, bundles: list[int],
-                 linear_index: int):
+                 linear_index: int, norm_eps: float | None = None):
         super().__init__()
         self.linear_index = linear_index
         r, dk, dv = cfg.gva_ratio, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -47,23 +55,35 @@ class GatedDeltaNet(nn.Module):
         self.num_k_local, self.num_v_local = len(bundles), len(bundles) * r
         self.r, self.dk, self.dv = r, dk, dv
         v_heads = [b * r + j for b in bundles for j in range(r)]
+        # conv channels [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]: this rank's rows of each
+        self.qkv_rows = (group_rows(bundles, dk), num_k * dk + group_rows(bundles, dk),
+                         2 * num_k * dk + group_rows(v_heads, dv))
+        self.build_projections(cfg, dtype, bundles, v_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = attach_loader(
+            new_param(sum(map(len, self.qkv_rows)), cfg.linear_conv_kernel_dim, dtype=dtype),
+            self.conv_parts(cfg, bundles, v_heads), transform=lambda w: w.reshape(w.shape[0], -1))
+        heads = torch.tensor(v_heads)
+        self.A_log = attach_loader(new_param(len(v_heads), dtype=torch.float32), {None: heads})
+        self.dt_bias = attach_loader(new_param(len(v_heads), dtype=torch.float32), {None: heads})
+        self.norm = GatedRMSNorm(dv, norm_eps or cfg.rms_norm_eps, dtype, gate="silu")
+        self.out_proj = RowParallelLinear(group_rows(v_heads, dv), cfg.hidden_size, tp, dtype)
+
+    def build_projections(self, cfg: ModelConfig, dtype: torch.dtype, bundles: list[int],
+                          v_heads: list[int]) -> None:
+        """Qwen3-Next: per key head, ``in_proj_qkvz`` rows [q | k | v (r*Dv) | z (r*Dv)] and
+        ``in_proj_ba`` rows [b (r) | a (r)]; the rows are regrouped part by part."""
+        r, dk, dv = self.r, self.dk, self.dv
         size, parts = 2 * dk + 2 * r * dv, [(0, dk), (dk, dk), (2 * dk, r * dv),
                                             (2 * dk + r * dv, r * dv)]  # q, k, v, z
         self.in_proj_qkvz = ColumnParallelLinear(cfg.hidden_size, {None: torch.cat(
             [group_rows(bundles, size, a, n) for a, n in parts])}, dtype)
         self.in_proj_ba = ColumnParallelLinear(cfg.hidden_size, {None: torch.cat(
             [group_rows(bundles, 2 * r, 0, r), group_rows(bundles, 2 * r, r, r)])}, dtype)
-        conv_index = torch.cat([group_rows(bundles, dk), num_k * dk + group_rows(bundles, dk),
-                                2 * num_k * dk + group_rows(v_heads, dv)])
-        self.conv1d = nn.Module()
-        self.conv1d.weight = attach_loader(
-            new_param(len(conv_index), cfg.linear_conv_kernel_dim, dtype=dtype),
-            {None: conv_index}, transform=lambda w: w.reshape(w.shape[0], -1))
-        heads = torch.tensor(v_heads)
-        self.A_log = attach_loader(new_param(len(v_heads), dtype=torch.float32), {None: heads})
-        self.dt_bias = attach_loader(new_param(len(v_heads), dtype=torch.float32), {None: heads})
-        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps, dtype, gate="silu")
-        self.out_proj = RowParallelLinear(group_rows(v_heads, dv), cfg.hidden_size, tp, dtype)
+
+    def conv_parts(self, cfg: ModelConfig, bundles: list[int], v_heads: list[int]) -> dict:
+        """Where the conv weight's rows come from: one [q | k | v] tensor on disk."""
+        return {None: torch.cat(self.qkv_rows)}
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         n, hk, hv = x.shape[0], self.num_k_local, self.num_v_local
@@ -72,7 +92,7 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
         mixed = short_conv(mixed, self.conv1d.weight, ctx, self.linear_index)
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        beta = b.sigmoid()
+        beta = b.sigmoid() if self.beta_scale == 1.0 else b.sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         q = l2norm_rsqrt(q.reshape(n, hk, dk).float())
         k = l2norm_rsqrt(k.reshape(n, hk, dk).float())
@@ -121,6 +141,7 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
+    gdn_class: type[GatedDeltaNet] = GatedDeltaNet
     name_rules = [
         (r"^mtp\.", None, None),
         (r"\.mlp\.experts\.(\d+)\.gate_proj\.weight$", ".mlp.w13", lambda m: (0, int(m[1]))),
@@ -137,7 +158,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         for i, kind in enumerate(cfg.layer_types):
             if kind == "linear_attention":
                 bundles = owned[lin]
-                mixer, name = GatedDeltaNet(cfg, tp, dtype, bundles, lin), "linear_attn"
+                mixer, name = self.gdn_class(cfg, tp, dtype, bundles, lin), "linear_attn"
                 lin += 1
             else:
                 mixer, name = GatedAttention(cfg, tp, dtype, full), "self_attn"
