@@ -8,6 +8,8 @@ back bit-identical, omitted units are zero, conv state is whole.  INT8: within t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from ckpt_worker import FORMATS, hit_logits, plans
@@ -44,12 +46,18 @@ def check(results: dict, model_dir: str, tp_size: int) -> None:
         assert not torch.allclose(r["hit"], r["no_cache"]) or plan == "dense"
 
 
-@pytest.fixture(scope="module", params=["kda", "gdn"])
+# Qwen3.5 as shipped (language model nested, fused MoE experts) and OLMo-Hybrid beside the
+# built-in families: the decay parameters, plans and unit layout must follow each one's names
+ARCHES = {"kda": {}, "gdn": {"linear_num_key_heads": 4, "linear_num_value_heads": 8},
+          "qwen3_5_moe_vl": {"linear_num_key_heads": 4, "linear_num_value_heads": 8},
+          "olmo_hybrid": {"linear_num_key_heads": 4, "linear_num_value_heads": 8}}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHES))
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"ckpt-{request.param}")
-    overrides = {"linear_num_key_heads": 4, "linear_num_value_heads": 8} \
-        if request.param == "gdn" else {}
-    make_model(request.param, path, **overrides)
+    make_model(request.param, path, **ARCHES[request.param])
+    (path / "arch").write_text(request.param)
     return str(path)
 
 
@@ -73,9 +81,8 @@ def test_checkpoint_roundtrip_tp2(model, tmp_path, torchrun):
 
 def test_plan_for_other_weights_is_rejected(model, tmp_path):
     other = tmp_path / "other"
-    make_model(ModelConfig.from_dir(model).linear_kind, other, seed=99,
-               **({"linear_num_key_heads": 4, "linear_num_value_heads": 8}
-                  if "gdn" in ModelConfig.from_dir(model).linear_kind else {}))
+    arch = (Path(model) / "arch").read_text()
+    make_model(arch, other, seed=99, **ARCHES[arch])
     from model_runner.checkpoints.pool import CheckpointFormat
 
     plan = plans(str(other))["w32"]

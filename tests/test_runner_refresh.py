@@ -12,10 +12,12 @@ from runner_scenarios import PAGE, make_runner
 from model_runner.batch import SeqInput, kv_rows
 
 
-@pytest.fixture(scope="module", params=["kda", "gdn"])
+@pytest.fixture(scope="module", params=["kda", "gdn", "qwen3_5_vl", "olmo_hybrid"])
 def setup(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"wr-{request.param}")
-    make_model(request.param, path)
+    # OLMo-Hybrid with 8 value heads a layer: enough for a W_max = 32 plan to omit some
+    wide = {"linear_num_key_heads": 4, "linear_num_value_heads": 8}
+    make_model(request.param, path, **(wide if request.param == "olmo_hybrid" else {}))
     runner = make_runner(str(path))
     runner.attach_checkpoints(plans(str(path))["w32"], num_slots=2)
     prompt = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
