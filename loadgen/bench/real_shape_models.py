@@ -1,7 +1,7 @@
 """Random-weight HF checkpoints with the per-layer shapes of the real hybrid models.
 
-    python -m loadgen.bench.real_shape_models {qwen3-next-shape,kimi-linear-shape} [--layers 8]
-        [--experts N] [--dtype bfloat16] [--vocab-size 264] [--seed 0] [--cache-dir DIR]
+    python -m loadgen.bench.real_shape_models NAME [--layers N] [--experts N] [--dtype bfloat16]
+        [--vocab-size N] [--seed 0] [--cache-dir DIR]
 
 prints the folder it wrote (or found already written).  Folders are cached under
 ``$DASC_CACHE_DIR/models`` (default ``~/.cache/dasc/models``), one per distinct set of options;
@@ -15,8 +15,19 @@ nothing here is committed.  Shapes are the public configs' (SPEC §5):
   MLA (32 heads, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, no q-LoRA), hidden 2,304,
   experts 1,024 wide top-8 with one shared expert, layer 1 dense (9,216); cut to 8 layers
   (3 KDA : 1 MLA) and 16 experts.
+- ``qwen3.5-0.8b``: Qwen3.5-0.8B's language model whole (``Qwen3_5ForCausalLM``): 24 layers
+  (18 GDN of 16 heads of 128, 6 gated attention of 8 q / 2 kv heads of 256), hidden 1,024,
+  MLP 3,584, the real 248,320-token vocabulary with tied embeddings.
+- ``qwen3.5-35b-a3b-shape``: Qwen3.5-35B-A3B's layers (GDN 16 key / 32 value heads of 128,
+  attention 16 q / 2 kv heads of 256, hidden 2,048, experts 512 wide top-8 and a 512-wide
+  shared expert), cut to 8 layers and 16 experts, the real vocabulary.
+- ``olmo-hybrid-7b-shape``: OLMo-Hybrid-7B's layers (GDN 30 heads, keys 96 / values 192 wide,
+  beta up to 2; post-norm attention of 30 heads of 128; hidden 3,840, MLP 11,008), cut to 8
+  layers, its 100,352-token vocabulary.
 
-The vocabulary defaults to the byte tokenizer's 264 ids (its files are copied in, so the folder
+The first two default to the byte tokenizer's 264 ids as their vocabulary, the Qwen3.5 and
+OLMo ones to the real vocabulary (the byte tokenizer serves its first ids; sampled ids past
+them decode to nothing).  The byte tokenizer's (its files are copied in, so the folder
 serves text), the lm_head being the one shape that is not the real one.  Weights are N(0, 0.02);
 decay parameters take fla's init (A_log = log U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3,
 1e-1)), so retention horizons spread as in trained models rather than transformers' dt_bias = 1.
@@ -40,8 +51,13 @@ import torch  # noqa: E402
 ASSETS = Path(__file__).resolve().parents[2] / "model_runner" / "assets" / "qwen3-next-tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
-NAMES = ("qwen3-next-shape", "kimi-linear-shape")
-DEFAULT_EXPERTS = {"qwen3-next-shape": 8, "kimi-linear-shape": 16}
+NAMES = ("qwen3-next-shape", "kimi-linear-shape", "qwen3.5-0.8b", "qwen3.5-35b-a3b-shape",
+         "olmo-hybrid-7b-shape")
+DEFAULT_EXPERTS = {"qwen3-next-shape": 8, "kimi-linear-shape": 16, "qwen3.5-0.8b": 0,
+                   "qwen3.5-35b-a3b-shape": 16, "olmo-hybrid-7b-shape": 0}
+DEFAULT_LAYERS = {"qwen3.5-0.8b": 24}  # the others: 8
+DEFAULT_VOCAB = {"qwen3.5-0.8b": 248320, "qwen3.5-35b-a3b-shape": 248320,
+                 "olmo-hybrid-7b-shape": 100352}  # the others: the byte tokenizer's 264
 
 
 def layer_types(num_layers: int) -> list[str]:
@@ -88,6 +104,40 @@ def kimi_linear_shape(num_layers: int, num_experts: int, vocab_size: int, **over
     return cfg
 
 
+def qwen3_5_shape(num_layers: int, num_experts: int, vocab_size: int, **over) -> dict:
+    """Qwen3.5-0.8B's text config (dense, tied) or, with experts, 35B-A3B's layer shapes."""
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True, "mrope_section": [11, 11, 10]}
+    common = dict(vocab_size=vocab_size, num_hidden_layers=num_layers,
+                  layer_types=layer_types(num_layers), linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, head_dim=256,
+                  num_key_value_heads=2, rope_parameters=rope, rms_norm_eps=1e-6,
+                  max_position_embeddings=262144, bos_token_id=257, eos_token_id=258,
+                  pad_token_id=256)
+    if num_experts:
+        cfg = dict(common, hidden_size=2048, linear_num_key_heads=16, linear_num_value_heads=32,
+                   num_attention_heads=16, num_experts=num_experts,
+                   num_experts_per_tok=min(8, num_experts), moe_intermediate_size=512,
+                   shared_expert_intermediate_size=512, tie_word_embeddings=False)
+    else:
+        cfg = dict(common, hidden_size=1024, linear_num_key_heads=16, linear_num_value_heads=16,
+                   num_attention_heads=8, intermediate_size=3584, tie_word_embeddings=True)
+    cfg.update(over)
+    return cfg
+
+
+def olmo_hybrid_shape(num_layers: int, vocab_size: int, **over) -> dict:
+    cfg = dict(vocab_size=vocab_size, hidden_size=3840, intermediate_size=11008,
+               num_hidden_layers=num_layers, layer_types=layer_types(num_layers),
+               num_attention_heads=30, num_key_value_heads=30, linear_num_key_heads=30,
+               linear_num_value_heads=30, linear_key_head_dim=96, linear_value_head_dim=192,
+               linear_conv_kernel_dim=4, linear_allow_neg_eigval=True, rms_norm_eps=1e-6,
+               tie_word_embeddings=False, max_position_embeddings=65536, bos_token_id=257,
+               eos_token_id=258, pad_token_id=256)
+    cfg.update(over)
+    return cfg
+
+
 def spread_decay(a_log: torch.Tensor, dt_bias: torch.Tensor, gen: torch.Generator) -> None:
     """fla's init: A_log = log U(1, 16); dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1)."""
     a = torch.empty(a_log.shape).uniform_(1.0, 16.0, generator=gen).log()
@@ -96,32 +146,34 @@ def spread_decay(a_log: torch.Tensor, dt_bias: torch.Tensor, gen: torch.Generato
     dt_bias.data = dt + torch.log(-torch.expm1(-dt))
 
 
-def build(name: str, num_layers: int = 8, num_experts: int | None = None,
-          vocab_size: int = 264, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **over):
+def build(name: str, num_layers: int | None = None, num_experts: int | None = None,
+          vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+          **over):
     """The transformers model (eval mode): weights N(0, 0.02) in ``dtype``, decays in FP32."""
-    from transformers import (
-        KimiLinearConfig,
-        KimiLinearForCausalLM,
-        Qwen3NextConfig,
-        Qwen3NextForCausalLM,
-    )
+    import transformers as tf
 
     if name not in NAMES:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(NAMES)}")
-    num_experts = DEFAULT_EXPERTS[name] if num_experts is None else num_experts
+    num_layers, num_experts, vocab_size = resolve(name, num_layers, num_experts, vocab_size)
     gen = torch.Generator().manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate once, in the final dtype
     try:
         if name == "qwen3-next-shape":
-            model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
                 **qwen3_next_shape(num_layers, num_experts, vocab_size, **over)))
-            decays = [(m.A_log, m.dt_bias) for m in model.modules() if hasattr(m, "A_log")]
-        else:
-            model = KimiLinearForCausalLM(KimiLinearConfig(
+        elif name == "kimi-linear-shape":
+            model = tf.KimiLinearForCausalLM(tf.KimiLinearConfig(
                 **kimi_linear_shape(num_layers, num_experts, vocab_size, **over)))
-            decays = [(m.A_log, m.dt_bias) for m in model.modules()
-                      if hasattr(m, "A_log") and hasattr(m, "dt_bias")]
+        elif name.startswith("qwen3.5"):
+            cfg = qwen3_5_shape(num_layers, num_experts, vocab_size, **over)
+            model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**cfg)) if num_experts \
+                else tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**cfg))
+        else:
+            model = tf.OlmoHybridForCausalLM(tf.OlmoHybridConfig(
+                **olmo_hybrid_shape(num_layers, vocab_size, **over)))
+        decays = [(m.A_log, m.dt_bias) for m in model.modules()
+                  if hasattr(m, "A_log") and hasattr(m, "dt_bias")]
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
@@ -134,7 +186,7 @@ def build(name: str, num_layers: int = 8, num_experts: int | None = None,
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
-        if name == "qwen3-next-shape":  # Qwen3-Next stores RMSNorm weights as w - 1
+        if name.startswith("qwen"):  # Qwen3-Next and Qwen3.5 store RMSNorm weights as w - 1
             for pname, p in model.named_parameters():
                 if "norm" in pname and "linear_attn.norm" not in pname:
                     p.sub_(1.0)
@@ -148,11 +200,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("DASC_CACHE_DIR", Path.home() / ".cache" / "dasc")) / "models"
 
 
-def ensure(name: str, num_layers: int = 8, num_experts: int | None = None,
-           vocab_size: int = 264, seed: int = 0, dtype: str = "bfloat16",
+def resolve(name: str, num_layers: int | None, num_experts: int | None,
+            vocab_size: int | None) -> tuple[int, int, int]:
+    """Fill each option left as None with the model's default."""
+    return (DEFAULT_LAYERS.get(name, 8) if num_layers is None else num_layers,
+            DEFAULT_EXPERTS[name] if num_experts is None else num_experts,
+            DEFAULT_VOCAB.get(name, 264) if vocab_size is None else vocab_size)
+
+
+def ensure(name: str, num_layers: int | None = None, num_experts: int | None = None,
+           vocab_size: int | None = None, seed: int = 0, dtype: str = "bfloat16",
            cache_dir: Path | None = None) -> Path:
     """The cached folder for these options, written first if missing (atomically)."""
-    num_experts = DEFAULT_EXPERTS[name] if num_experts is None else num_experts
+    num_layers, num_experts, vocab_size = resolve(name, num_layers, num_experts, vocab_size)
     options = dict(name=name, layers=num_layers, experts=num_experts, vocab=vocab_size, seed=seed,
                    dtype=dtype, version=1)
     key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
@@ -173,10 +233,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("name", choices=NAMES)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: 24 for qwen3.5-0.8b, 8 for the others)")
     p.add_argument("--experts", type=int, default=None,
-                   help="routed experts (default: 8 for qwen3-next-shape, 16 for kimi)")
-    p.add_argument("--vocab-size", type=int, default=264)
+                   help="routed experts (default: 8 for qwen3-next-shape, 16 for kimi-linear-shape "
+                        "and qwen3.5-35b-a3b-shape, none for the dense models)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="default: the real vocabulary for the Qwen3.5 and OLMo models, the byte "
+                        "tokenizer's 264 ids for the others")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--cache-dir", type=Path, default=None,

@@ -42,13 +42,6 @@ GATED_NORM_EPS = 1e-5  # the GDN output norm's, fixed in transformers' module
 
 
 class OlmoGDN(GatedDeltaNet):
-    beta_scale = 2.0
-
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, bundles: list[int],
-                 linear_index: int):
-        super().__init__(cfg, tp, dtype, bundles, linear_index, norm_eps=GATED_NORM_EPS)
-        self.beta_scale = cfg.linear_beta_scale
-
     def build_projections(self, cfg: ModelConfig, dtype: torch.dtype, bundles: list[int],
                           v_heads: list[int]) -> None:
         dk, dv, heads = self.dk, self.dv, torch.tensor(v_heads)
@@ -58,8 +51,34 @@ class OlmoGDN(GatedDeltaNet):
         self.in_proj_ba = ColumnParallelLinear(cfg.hidden_size, {"b": heads, "a": heads}, dtype)
 
     def conv_parts(self, cfg: ModelConfig, bundles: list[int], v_heads: list[int]) -> dict:
-        return {"q": group_rows(bundles, self.dk), "k": group_rows(bundles, self.dk),
-                "v": group_rows(v_heads, self.dv)}
+        """Three tensors that together hold the [q | k | v] conv rows, in one of two splits:
+        as published (Hk*Dk, Hk*Dk and Hv*Dv rows) or as transformers 5.24 saves them (thirds,
+        ``torch.chunk(3)`` of the whole); ``_load_conv_part`` tells them apart by size."""
+        return {part: None for part in "qkv"}
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, bundles: list[int],
+                 linear_index: int):
+        super().__init__(cfg, tp, dtype, bundles, linear_index, norm_eps=GATED_NORM_EPS)
+        self.beta_scale = cfg.linear_beta_scale
+        key, total = cfg.linear_num_key_heads * self.dk, cfg.linear_conv_dim
+        third = -(-total // 3)
+        self.conv_splits = ({"q": (0, key), "k": (key, key), "v": (2 * key, total - 2 * key)},
+                            {p: (i * third, min(third, total - i * third))
+                             for i, p in enumerate("qkv")})
+        self.conv1d.weight.weight_loader = self._load_conv_part
+
+    def _load_conv_part(self, p: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
+        rows = torch.cat(self.qkv_rows)  # this rank's rows of the whole conv, in order
+        loaded = loaded.reshape(loaded.shape[0], -1)
+        for split in self.conv_splits:
+            start, length = split[part]
+            if loaded.shape == (length, p.shape[1]):
+                mine = (rows >= start) & (rows < start + length)
+                p.data[mine] = loaded[rows[mine] - start].to(p.dtype)
+                return
+        total = sum(length for _, length in self.conv_splits[0].values())
+        raise ValueError(f"shape {tuple(loaded.shape)} is not the {part} part of a "
+                         f"{total}-channel conv")
 
 
 class WholeRMSNorm(nn.Module):
