@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or SSE with
 ``"stream": true``), ``GET /health``, ``GET /v1/models``, ``GET /server_info``, ``GET /metrics``
-(Prometheus), ``GET /v1/stats`` (JSON), ``POST /flush_cache``.  Every route but ``/health``
+(Prometheus), ``GET /v1/stats`` (JSON), ``POST /flush_cache``, ``POST /tokenize`` and
+``POST /detokenize`` (``tokenize_routes``).  A chat answer of a model whose template reasons
+(``<think>``) carries ``reasoning_content`` (``reasoning``).  Every route but ``/health``
 needs ``Authorization: Bearer KEY`` when an API key is set (``guards``).
 
 A request: validate (``*_request`` models) -> prompt ids -> ``SamplingParams`` -> a ``Job`` ->
@@ -32,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dasc_server.chat import chat_prompt_ids
+from dasc_server.chat import render_chat
 from dasc_server.chat_request import ChatCompletionRequest
 from dasc_server.completion_request import CompletionRequest
 from dasc_server.deltas import engine_down
@@ -42,11 +44,13 @@ from dasc_server.jobs import Choice, Job
 from dasc_server.json_response import complete_body, finished_before_disconnect
 from dasc_server.metrics import CONTENT_TYPE, Metrics
 from dasc_server.native import add_native_routes
+from dasc_server.reasoning import ReasoningStream, has_reasoning_format, prompt_opens_reasoning
 from dasc_server.request_checks import check_model, check_prompt
 from dasc_server.request_errors import RequestError, error_body, validation_error_body
 from dasc_server.sse_response import sse_frames
 from dasc_server.structured import response_format_grammar
-from dasc_server.tool_calls import ToolCallStream, ToolPlan, tool_plan
+from dasc_server.tokenize_routes import add_tokenize_routes
+from dasc_server.tool_calls import ToolPlan, tool_plan
 from scheduler.messages import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -108,13 +112,19 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
                                        type="server_error"), status_code=500)
 
+    reasons = has_reasoning_format(tokenizer)  # the template writes <think>...</think>
+
     def prompt_batch(req: CompletionRequest | ChatCompletionRequest,
-                     tools: ToolPlan | None = None) -> list[list[int]]:
-        """Each prompt's token ids (a chat request is one prompt)."""
+                     tools: ToolPlan | None = None) -> tuple[list[list[int]], bool | None]:
+        """Each prompt's token ids (a chat request is one prompt) and, for a chat whose
+        template reasons, whether the prompt leaves the answer inside ``<think>``."""
         if isinstance(req, ChatCompletionRequest):
-            return [chat_prompt_ids(tokenizer, req.messages, tools and tools.tools)]
+            text = render_chat(tokenizer, req.messages, tools and tools.tools,
+                               req.chat_template_kwargs)
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            return [ids], prompt_opens_reasoning(text) if reasons else None
         return [list(tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str)
-                else list(p) for p in req.prompts]
+                else list(p) for p in req.prompts], None
 
     def prepare(req: CompletionRequest | ChatCompletionRequest) -> Job:
         check_model(req.model, model_name)
@@ -166,7 +176,8 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                                "(no ignore_eos)", param="ignore_eos" if req.ignore_eos
                                else "response_format")
         choices = []
-        for prompt_index, prompt_ids in enumerate(prompt_batch(req, tools)):
+        prompts_ids, in_reasoning = prompt_batch(req, tools)
+        for prompt_index, prompt_ids in enumerate(prompts_ids):
             try:
                 max_tokens = check_prompt(prompt_ids, 1 if echo_only else req.requested_max_tokens,
                                           param=param,
@@ -193,7 +204,10 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                 choices.append(Choice(
                     prompt_index * num_samples + sample_index, prompt_index, sample_index,
                     engine.new_rid(), prompt_ids, sampling,
-                    tool_calls=ToolCallStream() if tools and tools.parses_calls else None,
+                    tool_calls=tools.stream() if tools and tools.parses_calls else None,
+                    # a grammar shapes the answer from its first token: that is content
+                    reasoning=None if in_reasoning is None else ReasoningStream(
+                        in_reasoning and not grammar),
                     echo_only=echo_only))
         return Job(is_chat=is_chat, id=choices[0].rid, model=model_name, choices=choices,
                    stop=req.stop_strings,
@@ -271,5 +285,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                             status_code=200 if done.ok else 400)
 
     add_native_routes(app, engine, tokenizer, model_name, prepare, max_in_flight)
+    add_tokenize_routes(app, tokenizer, model_name, engine.info.rank.vocab_size,
+                        engine.info.rank.max_context_len)
     return app
 

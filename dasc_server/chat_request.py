@@ -13,6 +13,10 @@ from dasc_server.generation_request import (
     GenerationRequest,
 )
 
+# the arguments the server gives the chat template itself
+RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "documents", "tokenize",
+                            "add_generation_prompt", "continue_final_message", "chat_template")
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -28,6 +32,18 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Image, video and audio parts get a 400 that says why (the text model is served)."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in (None, "text"):
+                    raise ValueError(f"content part {i} has type {kind!r}: this server serves "
+                                     "the model's text only (no image, video or audio input)")
+        return content
 
     @property
     def text(self) -> str:
@@ -46,7 +62,7 @@ class ChatCompletionRequest(GenerationRequest):
         "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
         "reasoning_effort": (None,), "web_search_options": (None,),
         "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-        "chat_template": (None,), "chat_template_kwargs": (None, {}),
+        "chat_template": (None,),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -68,7 +84,17 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    # extra variables for the model's chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_servers(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the server passes them "
+                             "to the template itself")
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod

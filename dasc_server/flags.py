@@ -182,6 +182,9 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    # absolute from here on: /server_info and /get_model_info report it, and a client started
+    # elsewhere (the SGLang gateway loading the tokenizer) must find the folder
+    args.model = str(Path(args.model).resolve())
     if args.api_key is None:  # read here, so that --help never prints the key
         args.api_key = os.environ.get("DASC_API_KEY")
     return args

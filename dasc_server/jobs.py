@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from dasc_server.detokenizer import TextOffsets
 from dasc_server.metrics import Metrics
+from dasc_server.reasoning import ReasoningStream
 from dasc_server.tool_calls import ToolCallStream
 from scheduler.messages import SamplingParams
 
@@ -28,6 +29,7 @@ class Choice:
     num_cached_tokens: int = 0
     offsets: TextOffsets = field(default_factory=TextOffsets)  # completions' text_offset
     tool_calls: ToolCallStream | None = None  # chat with tools: calls parsed from the text
+    reasoning: ReasoningStream | None = None  # chat, reasoning template: <think> split out
     echo_only: bool = False  # echo with max_tokens 0: the engine's one token is dropped
 
 
@@ -86,6 +88,7 @@ class Delta:
     echo_top_ids: list[list[int]] = field(default_factory=list)
     echo_top_logprobs: list[list[float]] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)  # chat: calls completed here
+    reasoning: str = ""  # chat: reasoning_content of this delta
 
 
 @dataclass(slots=True)

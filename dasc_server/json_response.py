@@ -15,20 +15,25 @@ from dasc_server.choice_fields import choice_fields
 from dasc_server.deltas import all_deltas
 from dasc_server.engine_client import EngineClient
 from dasc_server.jobs import Choice, Collected, Job
+from dasc_server.reasoning import split_reasoning
 from dasc_server.tool_calls import split_calls
 
 
 def _message(choice: Choice, got: Collected) -> dict:
-    """A chat choice's message; with tools, its calls apart from its content."""
-    text = "".join(got.texts)
+    """A chat choice's message: its reasoning (a reasoning template) and, with tools, its
+    calls apart from its content."""
+    text, message = "".join(got.texts), {"role": "assistant"}
+    if choice.reasoning is not None:
+        reasoning, text = split_reasoning(text, choice.reasoning.inside)
+        message["reasoning_content"] = reasoning
     if choice.tool_calls is None:
-        return {"role": "assistant", "content": text}
-    content, calls = split_calls(text)
+        return {**message, "content": text}
+    content, calls = split_calls(text, choice.tool_calls)
     if not calls:
-        return {"role": "assistant", "content": text}
+        return {**message, "content": text}
     if got.finish_reason == "stop":
         got.finish_reason = "tool_calls"
-    return {"role": "assistant", "content": content, "tool_calls": calls}
+    return {**message, "content": content, "tool_calls": calls}
 
 
 def _best(job: Job, collected: dict[int, Collected]) -> list[tuple[Choice, Collected]]:

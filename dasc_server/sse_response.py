@@ -1,5 +1,6 @@
 """The streamed (SSE) answer of a generation request: one chunk per choice's delta as they come,
-the usage chunk when asked, ``[DONE]``; chat streams split tool calls out of the text."""
+the usage chunk when asked, ``[DONE]``; chat streams split reasoning (``reasoning_content``)
+and tool calls out of the text."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dasc_server.choice_fields import choice_fields
 from dasc_server.deltas import all_deltas
 from dasc_server.engine_client import EngineClient
 from dasc_server.jobs import Choice, Delta, Job
+from dasc_server.reasoning import ReasoningStream
 from dasc_server.request_errors import RequestError
 from dasc_server.tool_calls import ToolCallStream
 
@@ -26,7 +28,9 @@ def _chunk(job: Job, choice: Choice, delta: Delta, tokenizer: Any | None, is_fir
            ) -> dict:
     if job.is_chat:
         message: dict[str, Any] = {"role": "assistant"} if is_first else {}
-        if delta.text or is_first:
+        if delta.reasoning:
+            message["reasoning_content"] = delta.reasoning
+        if delta.text or (is_first and not delta.reasoning):
             message["content"] = delta.text
         if delta.tool_calls:
             message["tool_calls"] = delta.tool_calls
@@ -47,12 +51,15 @@ async def sse_frames(engine: EngineClient, tokenizer: Any | None, job: Job) -> A
     try:
         async with aclosing(all_deltas(engine, tokenizer, job)) as deltas:
             async for choice, delta in deltas:
+                if choice.reasoning is not None:
+                    _split_reasoning(choice.reasoning, delta)
                 if choice.tool_calls is not None:
                     _split_tool_calls(choice.tool_calls, delta)
                 # Chunks without text would give clients a first "token" that is not one,
                 # unless they carry the token (its id, its logprobs).
                 has_ids = (job.return_token_ids or job.logprobs) and delta.token_ids
-                if not (delta.text or delta.finish_reason or has_ids or delta.tool_calls):
+                if not (delta.text or delta.finish_reason or has_ids or delta.tool_calls
+                        or delta.reasoning):
                     continue
                 frame = _sse_frame(_chunk(job, choice, delta, tokenizer,
                                           choice.index not in started))
@@ -69,6 +76,16 @@ async def sse_frames(engine: EngineClient, tokenizer: Any | None, job: Job) -> A
     if job.include_usage:
         tail += _sse_frame({**job.envelope(chunk=True), "choices": [], "usage": job.usage()})
     yield tail + DONE_FRAME
+
+
+def _split_reasoning(stream: ReasoningStream, delta: Delta) -> None:
+    """A streamed delta's text -> its reasoning and its content (held tag prefixes at the
+    end)."""
+    delta.reasoning, delta.text = stream.feed(delta.text)
+    if delta.finish_reason is not None:
+        reasoning, content = stream.finish()
+        delta.reasoning += reasoning
+        delta.text += content
 
 
 def _split_tool_calls(stream: ToolCallStream, delta: Delta) -> None:

@@ -1,24 +1,39 @@
-"""Chat ``tools`` and ``tool_choice`` for models whose chat template writes hermes-style calls::
+"""Chat ``tools`` and ``tool_choice`` for models whose chat template writes calls in one of two
+styles, told apart by the template: hermes (JSON, Qwen3-Next's)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-(Qwen3-Next's format.)  The template renders the tools into the prompt; ``tool_choice``
+or XML (Qwen3.5's, vLLM's ``qwen3_coder`` parser), each parameter's value as text, converted
+to the type its schema gives (numbers, booleans, JSON objects and arrays; strings as written)::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+The template renders the tools into the prompt; ``tool_choice``
 decides the output: ``"none"`` leaves it alone (text only), ``"auto"`` (the default with tools)
 lets the model choose and parses the calls it writes, ``"required"`` and a named function force
 calls through a grammar whose JSON is each tool's ``{"name", "arguments"}`` schema (one call
-when ``parallel_tool_calls`` is false).  Calls come back as OpenAI ``tool_calls`` (arguments a
+when ``parallel_tool_calls`` is false; in the XML style a string parameter's value cannot
+contain ``<``).  Calls come back as OpenAI ``tool_calls`` (arguments a
 JSON string) with ``finish_reason: "tool_calls"``; text outside the calls stays ``content``.
 
-A template without that format (the built-in tiny models have no template at all) cannot
+A template without either format (the built-in tiny models have no template at all) cannot
 carry tools: a request with tools gets a 400 naming ``tools``, never a silent drop.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +48,21 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def has_tool_format(tokenizer: Any | None) -> bool:
+FUNCTION = "<function="  # the XML style's mark in a template
+
+
+def tool_format(tokenizer: Any | None) -> str | None:
+    """"xml", "hermes" or None: the call style the chat template writes."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates
         template = " ".join(str(t) for t in template.values())
-    return isinstance(template, str) and OPEN in template
+    if not isinstance(template, str) or OPEN not in template:
+        return None
+    return "xml" if FUNCTION in template else "hermes"
+
+
+def has_tool_format(tokenizer: Any | None) -> bool:
+    return tool_format(tokenizer) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +70,13 @@ class ToolPlan:
     tools: list[dict]  # as the request sent them, for the template
     grammar: str  # "" unless the calls are forced
     parses_calls: bool  # False for tool_choice "none"
+    style: str = "hermes"  # or "xml"
+
+    def stream(self) -> ToolCallStream:
+        """A parser of this plan's calls."""
+        if self.style == "xml":
+            return ToolCallStream(parse=lambda body: xml_call(body, self.tools))
+        return ToolCallStream()
 
 
 def tool_plan(req: ChatCompletionRequest, tokenizer: Any | None) -> ToolPlan | None:
@@ -55,19 +87,21 @@ def tool_plan(req: ChatCompletionRequest, tokenizer: Any | None) -> ToolPlan | N
             raise RequestError("tool_choice needs tools", param="tool_choice")
         return None
     names = _checked_tools(tools)
-    if not has_tool_format(tokenizer):
-        raise RequestError("this model's chat template has no tool-call format (hermes-style "
-                           f"{OPEN}...{CLOSE}), so it cannot take tools", param="tools")
+    style = tool_format(tokenizer)
+    if style is None:
+        raise RequestError("this model's chat template has no tool-call format "
+                           f"({OPEN}...{CLOSE}), so it cannot take tools", param="tools")
+    grammar = xml_calls_grammar if style == "xml" else calls_grammar
     one_call = req.parallel_tool_calls is False
     if choice in (None, "auto"):
         if one_call:
             raise RequestError("parallel_tool_calls false needs tool_choice required or a "
                                "named function", param="parallel_tool_calls")
-        return ToolPlan(tools, "", True)
+        return ToolPlan(tools, "", True, style)
     if choice == "none":
-        return ToolPlan(tools, "", False)
+        return ToolPlan(tools, "", False, style)
     if choice == "required":
-        return ToolPlan(tools, calls_grammar(tools, one_call), True)
+        return ToolPlan(tools, grammar(tools, one_call), True, style)
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function"
             and isinstance(name, str)):
@@ -76,7 +110,7 @@ def tool_plan(req: ChatCompletionRequest, tokenizer: Any | None) -> ToolPlan | N
     if name not in names:
         raise RequestError(f"tool_choice names {name!r}, which is not among the tools",
                            param="tool_choice")
-    return ToolPlan(tools, calls_grammar([tools[names.index(name)]], True), True)
+    return ToolPlan(tools, grammar([tools[names.index(name)]], True), True, style)
 
 
 def _checked_tools(tools: Any) -> list[str]:
@@ -109,6 +143,73 @@ def calls_grammar(tools: list[dict], one_call: bool) -> str:
     return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
 
+def xml_calls_grammar(tools: list[dict], one_call: bool) -> str:
+    """XML-style calls of these tools (``one_call``: exactly one): the required parameters in
+    the schema's order, then the optional ones, each optional; a value is its schema's JSON
+    for a non-string, one of its ``enum`` for a string with one, else text without ``<``."""
+    nl, rules, names = "\n", [], []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        schema = fn.get("parameters") or {}
+        props, required = schema.get("properties") or {}, set(schema.get("required") or [])
+        order = [p for p in props if p in required] + [p for p in props if p not in required]
+        parts = []
+        for j, param in enumerate(order):
+            head, tail = json.dumps(f"<parameter={param}>{nl}"), json.dumps(f"</parameter>{nl}")
+            rules.append(f"p{i}_{j}: {head} {_xml_value(props[param])} {tail}")
+            parts.append(f"p{i}_{j}" if param in required else f"p{i}_{j}?")
+        head = json.dumps(f"{OPEN}{nl}{FUNCTION}{fn['name']}>{nl}")
+        rules.append(f"call{i}: {head} {' '.join(parts)} {json.dumps(f'</function>{nl}{CLOSE}')}")
+        names.append(f"call{i}")
+    repeat = "" if one_call else ' ("\\n" call)*'
+    lark = f"start: call{repeat}{nl}call: {' | '.join(names)}{nl}" + nl.join(rules) + nl
+    return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def _xml_value(schema: Any) -> str:
+    """A parameter's value and the newline after it.  Free text takes the newline into its
+    own lexeme (the lexer does not hand back a newline it has taken)."""
+    schema = schema if isinstance(schema, dict) else {}
+    if schema.get("type") == "string":
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            return "(" + " | ".join(json.dumps(str(v)) for v in schema["enum"]) + ') "\\n"'
+        return "/[^<]*\\n/"
+    return f'%json {json.dumps({**schema, "x-guidance": CALL_STYLE})} "\\n"'
+
+
+def xml_call(body: str, tools: list[dict]) -> dict | None:
+    """One XML-style call's body (between the tags) -> an OpenAI call, or None if malformed."""
+    m = re.fullmatch(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", body, re.DOTALL)
+    if m is None:
+        return None
+    name, inner = m[1].strip(), m[2]
+    schemas = next((t["function"].get("parameters") or {} for t in tools
+                    if t["function"]["name"] == name), {})
+    props = schemas.get("properties") or {}
+    arguments, rest = {}, inner
+    for p in re.finditer(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", inner, re.DOTALL):
+        arguments[p[1].strip()] = _typed(p[2], props.get(p[1].strip()))
+        rest = rest.replace(p[0], "", 1)
+    if rest.strip():
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _typed(text: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type; as written when it does not parse."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string" or kind is None and not text.strip():
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if kind is None or kind in ("integer", "number", "boolean", "object", "array", "null"):
+        return value
+    return text
+
+
 def _call(body: str) -> dict | None:
     try:
         obj = json.loads(body)
@@ -132,6 +233,7 @@ class ToolCallStream:
     in_call: bool = False
     after_call: bool = False  # newlines that separate calls are not content
     calls: list[dict] = field(default_factory=list)
+    parse: Callable[[str], dict | None] = field(default=lambda body: _call(body.strip()))
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """-> (content to send now, calls completed now)."""
@@ -153,7 +255,7 @@ class ToolCallStream:
             end = self.pending.find(CLOSE)
             if end < 0:
                 return content, new
-            call = _call(self.pending[:end].strip())
+            call = self.parse(self.pending[:end])
             if call is None:
                 content += OPEN + self.pending[: end + len(CLOSE)]
             else:
@@ -178,9 +280,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_calls(text: str) -> tuple[str | None, list[dict]]:
-    """A whole output -> (content or None, tool calls)."""
-    stream = ToolCallStream()
+def split_calls(text: str, stream: ToolCallStream | None = None
+                ) -> tuple[str | None, list[dict]]:
+    """A whole output -> (content or None, tool calls), parsed by a fresh ``stream``."""
+    stream = stream or ToolCallStream()
     content, calls = stream.feed(text)
     content = (content + stream.finish()).strip()
     return content or None, [{k: v for k, v in c.items() if k != "index"} for c in calls]

@@ -145,13 +145,36 @@ def test_neutral_values_of_unsupported_fields_are_accepted():
 @pytest.mark.parametrize("field,value", [
     ("functions", [{"name": "f"}]), ("top_logprobs", 2), ("top_logprobs", 21),
     ("logit_bias", {"1": 500}),
-    ("reasoning_effort", "high"), ("chat_template_kwargs", {"enable_thinking": True}),
+    ("reasoning_effort", "high"), ("chat_template_kwargs", {"tokenize": True}),
+    ("chat_template_kwargs", "enable_thinking"),
 ])
 def test_unsupported_chat_fields_are_named(field, value):
     body = {"messages": [{"role": "user", "content": "x"}], field: value}
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate(body)
     assert validation_error_body(info.value.errors())["error"]["param"] == field
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "video_url", "video_url": {"url": "file:///v.mp4"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+def test_media_content_parts_are_refused_naming_the_field(part):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                      part]}]}
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    error = validation_error_body(info.value.errors())["error"]
+    assert error["param"] == "messages"
+    assert f"messages.0.content: content part 1 has type {part['type']!r}" in error["message"]
+    assert "text only" in error["message"]
+
+
+def test_chat_template_kwargs_reach_the_request():
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert req.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_check_prompt_default_is_bounded_by_the_pool():

@@ -75,6 +75,14 @@ def test_every_flag_reaches_the_config_or_is_the_launchers(action):
         assert ServeConfig.from_json(changed.to_json()) == changed
 
 
+def test_the_model_path_is_absolute_whatever_the_working_directory(monkeypatch):
+    monkeypatch.chdir(KIMI.parent)
+    cfg = serve_config(parse_args(["--model", KIMI.name]))
+    assert cfg.model == str(KIMI) and KIMI.is_absolute()
+    info = ServerInfo(cfg, RANK, 2048)
+    assert info.config.model == str(KIMI)
+
+
 def test_the_config_keeps_its_types_through_json():
     cfg = serve_config(parse_args(["--wmax", "16", "--load-policy", "wr", "--int8-checkpoints",
                                    "--selection", "random", "--checkpoint-slots", "3"]))

@@ -1,6 +1,7 @@
-"""Tool calls in the front end (dasc_server/tool_calls.py), without a server: hermes-style
-calls split from text delta by delta (any split of the text gives the same content and calls),
-malformed calls kept as content, the tool_choice rules and the grammar that forces calls."""
+"""Tool calls in the front end (dasc_server/tool_calls.py), without a server: hermes-style and
+XML-style (Qwen3.5) calls split from text delta by delta (any split of the text gives the same
+content and calls), malformed calls kept as content, the tool_choice rules and the grammars
+that force calls."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from dasc_server.chat_request import ChatCompletionRequest
 from dasc_server.request_errors import RequestError
 from dasc_server.tool_calls import (
     ToolCallStream,
+    ToolPlan,
     calls_grammar,
     has_tool_format,
     split_calls,
+    tool_format,
     tool_plan,
+    xml_calls_grammar,
 )
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
@@ -86,6 +90,70 @@ def test_the_grammar_forces_well_formed_calls(one_call):
     good = CALL.encode()  # spaced as json.dumps (and so chat templates) write calls
     for text, ok in [(good, True), (good + b"\n" + good, not one_call),
                      (good.replace(b'"f"', b'"g"'), False), (good[:-1], False)]:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        consumed = m.consume_tokens(list(text))
+        assert (consumed and m.is_accepting() and not m.is_error()) == ok, text
+
+
+# Qwen3.5's XML style
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]}, "days": {"type": "integer"},
+        "celsius": {"type": "boolean"}, "note": {"type": "string"}}}}}
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=celsius>\ntrue\n</parameter>\n"
+            "<parameter=note>\n 42 \n</parameter>\n</function>\n</tool_call>")
+
+
+def xml_stream() -> ToolCallStream:
+    return ToolPlan([WEATHER], "", True, "xml").stream()
+
+
+def test_xml_calls_take_their_schema_types_at_any_split():
+    text = f"Checking. {XML_CALL}\n{XML_CALL.replace('Paris', 'Oslo')}\ndone"
+    content, calls = split_calls(text, xml_stream())
+    assert content == "Checking. done"
+    args = [json.loads(c["function"]["arguments"]) for c in calls]
+    assert args[0] == {"city": "Paris", "days": 3, "celsius": True, "note": " 42 "}
+    assert args[1]["city"] == "Oslo" and calls[0]["function"]["name"] == "get_weather"
+    rng = random.Random(1)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(1, 10)))
+        stream, got, found = xml_stream(), "", []
+        for a, b in zip([0, *cuts], [*cuts, len(text)]):
+            c, new = stream.feed(text[a:b])
+            got, found = got + c, found + new
+        assert got + stream.finish() == content
+        assert [c["function"] for c in found] == [c["function"] for c in calls]
+
+
+def test_a_malformed_xml_call_stays_content():
+    broken = "<tool_call>\n<function=get_weather>\nParis\n</tool_call>"
+    assert split_calls(broken, xml_stream()) == (broken, [])
+
+
+def test_the_template_picks_the_call_style():
+    tok = AutoTokenizer.from_pretrained(KIMI)
+    tok.chat_template = "{{ messages }}<tool_call><function=x>"
+    assert tool_format(tok) == "xml"
+    tok.chat_template = "{{ messages }}<tool_call>"
+    assert tool_format(tok) == "hermes"
+    tok.chat_template = None
+    assert tool_format(tok) is None
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+def test_the_xml_grammar_forces_well_formed_calls(one_call):
+    tok = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(KIMI), n_vocab=264)
+    grammar = xml_calls_grammar([WEATHER], one_call)
+    good = XML_CALL.encode()
+    minimal = (b"<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+               b"</function>\n</tool_call>")
+    for text, ok in [(good, True), (minimal, True), (good + b"\n" + minimal, not one_call),
+                     (good.replace(b"Paris", b"Rome"), False),  # not in the enum
+                     (good.replace(b"\n3\n", b"\nthree\n"), False),  # not an integer
+                     (minimal.replace(b"<parameter=city>\nOslo\n</parameter>\n", b""), False),
+                     (good[:-1], False)]:
         m = llguidance.LLMatcher(tok, grammar, log_level=0)
         consumed = m.consume_tokens(list(text))
         assert (consumed and m.is_accepting() and not m.is_error()) == ok, text
