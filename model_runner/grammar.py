@@ -9,10 +9,18 @@ only, so structured output keeps the sampler batch-invariant.
 The tokenizer is built once, on the first request that needs it (~5 ms for the byte tokenizer
 of the built-in models; llguidance quotes ~1 s for a 150k-token vocabulary).  The model's EOS
 is the grammar's end token: once the output is complete, EOS is the only token allowed.
+
+Added tokens that are text, not special (Qwen's ``<tool_call>``, ``<think>``, ...), are left out
+of llguidance's view: llguidance 1.x takes every added token for a special one, yet forces one
+whose text is the grammar's next text, and then refuses it when it is consumed (the answer
+ended there).  Without them the grammar's text is spelled with ordinary tokens, which decode to
+the same characters.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import sys
 from pathlib import Path
 
@@ -25,11 +33,22 @@ def grammar_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: int 
                       ) -> llguidance.LLTokenizer:
     """The model's Hugging Face fast tokenizer as llguidance sees it, ``vocab_size`` wide (ids
     past the tokenizer's own are never allowed)."""
-    import llguidance.hf  # imports transformers (~0.8 s): only once a request has a grammar
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # ~0.8 s: only once a request has a grammar
 
     hf = AutoTokenizer.from_pretrained(str(model_dir))
-    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos_token_id)
+    backend = json.loads(llguidance_json(hf))
+    backend["added_tokens"] = [t for t in backend.get("added_tokens", []) if t.get("special")]
+    return llguidance.LLTokenizer(json.dumps(backend), n_vocab=vocab_size,
+                                  eos_token=eos_token_id if eos_token_id is not None
+                                  else hf.eos_token_id)
+
+
+def llguidance_json(hf) -> str:
+    """The fast tokenizer's JSON as ``llguidance.hf.from_tokenizer`` serialises it."""
+    backend = copy.copy(hf.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 class TokenizerCache:

@@ -1,6 +1,7 @@
 """A random Qwen3.5 model folder with a chat setup of Qwen3.5's shape, built here (no hub):
-a byte-level BPE tokenizer trained on a few sentences, whose special tokens are Qwen's
-(``<|im_start|>``, ``<|im_end|>``, ``<think>``, ``</think>``, ``<tool_call>``, ...), and a chat
+a byte-level BPE tokenizer trained on a few sentences, with Qwen's special tokens
+(``<|im_start|>``, ``<|im_end|>``) and its tags as single non-special tokens (``<think>``,
+``</think>``, ``<tool_call>``, ...), and a chat
 template written for these tests that renders what Qwen3.5's does: ChatML turns, the tools as
 JSON in a system turn, XML-style calls (``<function=...>``, ``<parameter=...>``), tool answers
 in ``<tool_response>``, and an assistant turn opened inside ``<think>`` when
@@ -14,8 +15,10 @@ from pathlib import Path
 
 from random_checkpoints import make_model
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-           "</tool_call>", "<tool_response>", "</tool_response>"]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# single tokens that are text, not special, as in Qwen's tokenizers: decoding keeps them
+TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+        "</tool_response>"]
 EOS = "<|im_end|>"
 
 # (transformers renders with trim_blocks: a newline right after a tag is written as {{ nl }})
@@ -56,7 +59,7 @@ CORPUS = [
 
 def make_chat_model(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tokenizer and a random Qwen3.5 (as shipped, vision tower and all) sized to it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
@@ -66,6 +69,7 @@ def make_chat_model(out_dir: str | Path, seed: int = 0) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<|endoftext|>")
     fast.chat_template = TEMPLATE
     fast.save_pretrained(str(out_dir))
