@@ -9,7 +9,7 @@ the plan CLI can work from config.json alone.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "kimi-linear-tiny"
@@ -73,6 +73,13 @@ class ModelConfig:
     eos_token_id: int | None = None
     linear_beta_scale: float = 1.0  # 2.0: OLMo-Hybrid's negative eigenvalues (beta in [0, 2])
     use_rope: bool = True  # False: no rotary on the full-attention layers (OLMo-Hybrid NoPE)
+    # where a field comes from in the file when that is not its own name at the top level:
+    # (field, "text_config.x" | "linear_attn_config.num_heads" | ...), for error messages
+    field_sources: tuple[tuple[str, str], ...] = ()
+
+    def field_name(self, field: str) -> str:
+        """The name this config file gives ``field`` (errors name what the user can find)."""
+        return dict(self.field_sources).get(field, field)
 
     @property
     def is_kda(self) -> bool:
@@ -146,6 +153,9 @@ class ModelConfig:
             top = {k: raw[k] for k in ("architectures", "tie_word_embeddings") if k in raw}
             raw, source = {**text, **top}, f"{source}:text_config"
         cfg = parse(_Fields(raw, source))
+        if arch.endswith("ForConditionalGeneration"):
+            cfg = replace(cfg, field_sources=tuple(
+                (f.name, f"text_config.{f.name}") for f in fields(cfg)))
         _validate(cfg, source)
         return cfg
 
@@ -274,6 +284,8 @@ def _parse_kda(f: _Fields) -> ModelConfig:
         dense_first = f.get("first_k_dense_replace", default=1)
         mlp_types = ["dense" if i < dense_first else "sparse" for i in range(n)]
     num_heads = lf.get("num_heads", default=None) or f.get("linear_num_heads", default=32)
+    heads_field = "linear_attn_config.num_heads" if lin.get("num_heads") else "linear_num_heads"
+    moe_field = "moe_intermediate_size"
     head_dim = lf.get("head_dim", default=None) or f.get("linear_head_dim", default=128)
     kernel = lf.get("short_conv_kernel_size", default=None) or f.get(
         "linear_conv_kernel_dim", default=4)
@@ -306,6 +318,9 @@ def _parse_kda(f: _Fields) -> ModelConfig:
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
         linear_conv_kernel_dim=kernel,
+        field_sources=(("linear_num_key_heads", heads_field),
+                       ("linear_num_value_heads", heads_field),
+                       ("shared_expert_intermediate_size", moe_field)),
     )
 
 

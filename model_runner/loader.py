@@ -6,6 +6,7 @@ every parameter's own ``weight_loader`` takes its part of the tensor.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -36,14 +37,19 @@ def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype,
 
 
 def load_weights(model: HybridForCausalLM, model_dir: Path) -> None:
+    """Fill every parameter; tensors the model does not use for serving (a vision tower,
+    multi-token-prediction layers) are skipped and, on the first rank, named in one line."""
     params = dict(model.named_parameters())
     loaded: set[tuple[str, object]] = set()
+    skipped: dict[str, int] = {}
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     target, shard_id = model.map_name(name)
                     if target is None:
+                        group = ".".join(name.split(".")[:2 if name.startswith("model.") else 1])
+                        skipped[group] = skipped.get(group, 0) + 1
                         continue
                     if target not in params:
                         raise WeightsError(f"{path}: unexpected tensor {name!r}")
@@ -55,6 +61,10 @@ def load_weights(model: HybridForCausalLM, model_dir: Path) -> None:
                     loaded.add((target, shard_id))
         except SafetensorError as e:
             raise WeightsError(f"{path}: unreadable safetensors file ({e})") from None
+    if skipped and model.tp.rank == 0:
+        groups = ", ".join(f"{group}.* ({n})" for group, n in sorted(skipped.items()))
+        print(f"dasc: {model_dir}: not loaded, unused for serving: {groups}", file=sys.stderr,
+              flush=True)
     if model.cfg.tie_word_embeddings and ("lm_head.weight", None) not in loaded:
         model.lm_head.weight.data.copy_(model.model.embed_tokens.weight.data)
         loaded.add(("lm_head.weight", None))

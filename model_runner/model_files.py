@@ -32,13 +32,14 @@ def check_tp(cfg: ModelConfig, tp_size: int, source: str = "config.json") -> Non
         checks["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     for field, value in checks.items():
         if tp_size < 1 or value % tp_size:
-            raise ConfigError(f"{source}: field {field!r}={value} is not divisible by tp={tp_size}")
-    kv = cfg.num_key_value_heads
+            raise ConfigError(f"{source}: field {cfg.field_name(field)!r}={value} is not "
+                              f"divisible by tp={tp_size}")
+    kv, kv_field = cfg.num_key_value_heads, cfg.field_name("num_key_value_heads")
     if cfg.architecture == "OlmoHybridForCausalLM" and kv % tp_size:  # k_norm spans every head
-        raise ConfigError(f"{source}: field 'num_key_value_heads'={kv} is not divisible by "
+        raise ConfigError(f"{source}: field {kv_field!r}={kv} is not divisible by "
                           f"tp={tp_size}")
     if not cfg.is_kda and kv % tp_size and tp_size % kv:
-        raise ConfigError(f"{source}: field 'num_key_value_heads'={kv} neither divides nor is a "
+        raise ConfigError(f"{source}: field {kv_field!r}={kv} neither divides nor is a "
                           f"multiple of tp={tp_size}")
 
 
