@@ -50,6 +50,7 @@ from dasc_server.request_errors import RequestError, error_body, validation_erro
 from dasc_server.sse_response import sse_frames
 from dasc_server.structured import response_format_grammar
 from dasc_server.tokenize_routes import add_tokenize_routes
+from dasc_server.tokenizer_threads import TokenizerThreads
 from dasc_server.tool_calls import ToolPlan, tool_plan
 from scheduler.messages import SamplingParams
 
@@ -113,18 +114,27 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                                        type="server_error"), status_code=500)
 
     reasons = has_reasoning_format(tokenizer)  # the template writes <think>...</think>
+    threads = TokenizerThreads(tokenizer, engine.info.rank.max_context_len)
+    app.router.on_shutdown.append(threads.shutdown)
 
     def prompt_batch(req: CompletionRequest | ChatCompletionRequest,
                      tools: ToolPlan | None = None) -> tuple[list[list[int]], bool | None]:
         """Each prompt's token ids (a chat request is one prompt) and, for a chat whose
         template reasons, whether the prompt leaves the answer inside ``<think>``."""
+        tok = threads.here()
         if isinstance(req, ChatCompletionRequest):
-            text = render_chat(tokenizer, req.messages, tools and tools.tools,
-                               req.chat_template_kwargs)
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            text = render_chat(tok, req.messages, tools and tools.tools, req.chat_template_kwargs)
+            threads.check_fits(text, "messages")
+            ids = list(tok.encode(text, add_special_tokens=False))
             return [ids], prompt_opens_reasoning(text) if reasons else None
-        return [list(tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str)
-                else list(p) for p in req.prompts], None
+        batch = []
+        for i, p in enumerate(req.prompts):
+            if isinstance(p, str):
+                threads.check_fits(p, "prompt" if len(req.prompts) == 1 else f"prompt {i}")
+                batch.append(list(tok.encode(p, add_special_tokens=False)))
+            else:
+                batch.append(list(p))
+        return batch, None
 
     def prepare(req: CompletionRequest | ChatCompletionRequest) -> Job:
         check_model(req.model, model_name)
@@ -217,9 +227,12 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                    logprobs=req.wants_logprobs, echo=echo,
                    share_prompts=scheduling.prefix_cache, num_returned=req.n)
 
+    async def prepare_off_loop(req: CompletionRequest | ChatCompletionRequest) -> Job:
+        return await threads.run(prepare, req)
+
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request
                     ) -> Response:
-        job = prepare(req)
+        job = await prepare_off_loop(req)
         if engine.num_active + len(job.choices) > max_in_flight:
             raise RequestError(f"the server is at capacity ({max_in_flight} requests in "
                                "flight); retry later", status=503, type="server_error",
@@ -284,8 +297,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
         return JSONResponse({"ok": done.ok, "message": done.message},
                             status_code=200 if done.ok else 400)
 
-    add_native_routes(app, engine, tokenizer, model_name, prepare, max_in_flight)
-    add_tokenize_routes(app, tokenizer, model_name, engine.info.rank.vocab_size,
-                        engine.info.rank.max_context_len)
+    add_native_routes(app, engine, tokenizer, model_name, prepare_off_loop, max_in_flight)
+    add_tokenize_routes(app, threads, model_name, engine.info.rank.vocab_size)
     return app
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -84,7 +84,7 @@ def _model_type(model_path: str) -> str | None:
 
 
 def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
-                      model_name: str, prepare: Callable[[CompletionRequest], Job],
+                      model_name: str, prepare: Callable[[CompletionRequest], Awaitable[Job]],
                       max_in_flight: int) -> None:
     """Add the native routes; ``prepare`` is the OpenAI routes' request -> ``Job`` step."""
     info, model = engine.info.rank, engine.info.config.model
@@ -94,8 +94,8 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
         "has_image_understanding": False, "has_audio_understanding": False,
         "model_type": _model_type(model), "architectures": [info.model_type]}
 
-    def admit(req: CompletionRequest) -> Job:
-        job = prepare(req)
+    async def admit(req: CompletionRequest) -> Job:
+        job = await prepare(req)
         if engine.num_active + len(job.choices) > max_in_flight:
             raise RequestError(f"the server is at capacity ({max_in_flight} requests in "
                                "flight); retry later", status=503, type="server_error",
@@ -147,7 +147,7 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
         probe = CompletionRequest(prompt=[info.eos_token_id or 0], max_tokens=1,
                                   temperature=0.0)
         try:
-            await asyncio.wait_for(last_output(admit(probe)), HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(last_output(await admit(probe)), HEALTH_GENERATE_TIMEOUT_S)
         except (RequestError, asyncio.TimeoutError) as e:
             reason = e.message if isinstance(e, RequestError) else "timed out"
             return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
@@ -159,7 +159,7 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
             completion = req.completion_request()
         except ValidationError as e:  # a value the OpenAI route bounds tighter
             raise RequestValidationError(e.errors()) from e
-        job = admit(completion)
+        job = await admit(completion)
         if req.stream:
             return StreamingResponse(sse(job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

@@ -18,6 +18,7 @@ from dasc_server.chat import chat_prompt_ids
 from dasc_server.chat_request import ChatMessage
 from dasc_server.request_checks import check_model
 from dasc_server.request_errors import RequestError
+from dasc_server.tokenizer_threads import TokenizerThreads
 
 
 class TokenizeRequest(BaseModel):
@@ -44,32 +45,38 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def add_tokenize_routes(app: FastAPI, tokenizer: Any | None, model_name: str, vocab_size: int,
-                        max_model_len: int) -> None:
-    def needs_tokenizer(param: str) -> Any:
-        if tokenizer is None:
+def add_tokenize_routes(app: FastAPI, threads: TokenizerThreads, model_name: str,
+                        vocab_size: int) -> None:
+    """Both routes encode and decode in ``threads``' pool, off the event loop."""
+
+    def needs_tokenizer(param: str) -> None:
+        if threads.tokenizer is None:
             raise RequestError("this server has no tokenizer (it serves token ids only)",
                                param=param)
-        return tokenizer
+
+    def encode(req: TokenizeRequest) -> dict:
+        tok = threads.here()
+        if req.messages is not None:
+            ids = chat_prompt_ids(tok, req.messages, template_kwargs=req.chat_template_kwargs)
+        else:
+            threads.check_fits(req.prompt, "prompt")
+            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": threads.max_context_len, "tokens": ids,
+                "token_strs": strs}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         check_model(req.model, model_name)
-        tok = needs_tokenizer("messages" if req.messages is not None else "prompt")
-        if req.messages is not None:
-            ids = chat_prompt_ids(tok, req.messages, template_kwargs=req.chat_template_kwargs)
-        else:
-            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
-                "token_strs": strs}
+        needs_tokenizer("messages" if req.messages is not None else "prompt")
+        return await threads.run(encode, req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_model(req.model, model_name)
-        tok = needs_tokenizer("tokens")
+        needs_tokenizer("tokens")
         bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
                                param="tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await threads.run(lambda: threads.here().decode(req.tokens))}

@@ -11,6 +11,8 @@ passing integrity check and every pool row / checkpoint slot either free or cach
 from __future__ import annotations
 
 import json
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -278,3 +280,37 @@ def test_client_leaving_a_json_request_aborts_it(url):
     with pytest.raises(httpx.ReadTimeout):
         post(url, "/v1/completions", body, timeout=httpx.Timeout(30, read=1.0))
     assert wait_idle(url)["num_steps"] - before < LONG // 4, "the request ran on"
+
+
+def test_a_long_prompt_does_not_stall_the_requests_beside_it(default_server):
+    """Tokenising runs off the event loop: while a batch of long text prompts (~3 MB, seconds
+    to encode, each then too long for the context) is being encoded, short requests sent after
+    it are answered first."""
+    url = default_server.base_url
+    long_body = {"prompt": ["The grass is green. " * 600] * 250, "max_tokens": 1}
+    done: dict[str, float] = {}
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str, body: dict) -> None:
+        answers[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        done[name] = time.perf_counter()
+
+    long = threading.Thread(target=send, args=("long", long_body))
+    long.start()
+    time.sleep(0.3)  # its body is in and being encoded
+    for i in range(3):
+        send(f"short{i}", {"prompt": f"Hi {i}", "max_tokens": 2, "temperature": 0})
+    long.join(120)
+    assert all(answers[f"short{i}"].status_code == 200 for i in range(3))
+    assert answers["long"].status_code == 400
+    assert "prompt 0" in answers["long"].json()["error"]["message"]  # encoded, then refused
+    assert max(done[f"short{i}"] for i in range(3)) < done["long"]
+
+
+def test_text_that_cannot_fit_is_refused_before_it_is_encoded(default_server):
+    got = httpx.post(f"{default_server.base_url}/v1/completions", timeout=60,
+                     json={"prompt": "x" * 3_000_000, "max_tokens": 1})
+    error = got.json()["error"]
+    assert got.status_code == 400 and error["param"] == "prompt"
+    assert "3,000,000 bytes of text" in error["message"]
+    assert "can fit the context" in error["message"]
