@@ -167,9 +167,11 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "ancestor)")
     g.add_argument("--checkpoint-admission", choices=CKPT_ADMISSIONS,
                    default=DEFAULT_CKPT_ADMISSION,
-                   help="where a prefill stores checkpoints: all (every --checkpoint-interval "
-                        "tokens and the prompt end) or reuse (the prompt end and the point where "
-                        "the prompt branches off a cached one; the interval plays no part)")
+                   help="where a prefill stores checkpoints: branch (every "
+                        "--checkpoint-interval tokens, the prompt end and the point where the "
+                        "prompt branches off a cached one, so a shared prefix of any length is "
+                        "hit from its third sharer on), all (the interval and the prompt end) or "
+                        "reuse (the prompt end and the branch point; the interval plays no part)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
     g.add_argument("--no-cache-finished", action="store_true",
                    help="do not cache prompt + output when a request finishes")

@@ -1,5 +1,8 @@
 """Where a prefilling request stores checkpoints (``--checkpoint-admission``).
 
+``branch`` (the default) ``all``'s points and ``reuse``'s branch point: a shared prefix of any
+           length, off the interval grid too (a system prompt), is stored by its second
+           sharer and hit from the third on.
 ``all``    every multiple of ``checkpoint_interval`` inside the prompt, and prompt_len - 1.
 ``reuse``  only where reuse is likely, after Marconi's admission for hybrid models:
            - prompt_len - 1, the end of a turn (as in ``all``);
@@ -27,8 +30,8 @@ from __future__ import annotations
 
 from scheduler.radix_cache import RadixCache
 
-CKPT_ADMISSIONS = ("all", "reuse")
-DEFAULT_CKPT_ADMISSION = "all"
+CKPT_ADMISSIONS = ("branch", "all", "reuse")
+DEFAULT_CKPT_ADMISSION = "branch"
 # A checkpoint saving fewer tokens is not worth a slot and the step its chunk split costs
 # (a judgement, not a measurement; eviction by value would drop such a slot first anyway).
 MIN_BRANCH_GAIN = 32
@@ -46,10 +49,12 @@ def store_points(prompt: list[int], interval: int, admission: str,
     prefilling request stores, unless the tree already holds a checkpoint there."""
     n = len(prompt)
     last = [n - 1] if n > 1 else []
+    every = list(range(interval, n - 1, interval)) if interval > 0 else []
     if admission == "all":
-        every = list(range(interval, n - 1, interval)) if interval > 0 else []
         return every + last
     branch = cache.cached_len(prompt)
-    if 0 < branch < n - 1 and branch - cache.match_len(prompt, branch) >= MIN_BRANCH_GAIN:
+    if not (0 < branch < n - 1 and branch - cache.match_len(prompt, branch) >= MIN_BRANCH_GAIN):
+        return every + last if admission == "branch" else last
+    if admission == "reuse":
         return [branch, *last]
-    return last
+    return sorted({*every, branch}) + last

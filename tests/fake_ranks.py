@@ -26,11 +26,14 @@ def boundaries(prompt_len: int, every: int) -> set[int]:
 
 def may_store(s: Scheduler, prompt: list[int], end: int) -> bool:
     """Whether the admission policy may store after prompt[:end] while prefilling.  Under
-    reuse the branch point was read from the tree before the step's later evictions, which
-    only remove checkpoints, so its gain over the deepest one above it can only have grown."""
+    reuse (and branch) the branch point was read from the tree before the step's later
+    evictions, which only remove checkpoints, so its gain over the deepest one above it can only
+    have grown."""
+    on_grid = end in boundaries(len(prompt), s.cfg.checkpoint_interval)
     if s.cfg.ckpt_admission == "all":
-        return end in boundaries(len(prompt), s.cfg.checkpoint_interval)
-    return end == len(prompt) - 1 or end - s.cache.match_len(prompt, end) >= MIN_BRANCH_GAIN
+        return on_grid
+    at_branch = end == len(prompt) - 1 or end - s.cache.match_len(prompt, end) >= MIN_BRANCH_GAIN
+    return at_branch if s.cfg.ckpt_admission == "reuse" else on_grid or at_branch
 
 
 def tree_ckpts(s: Scheduler) -> dict[int, tuple[list[int], Node]]:

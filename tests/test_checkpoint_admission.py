@@ -1,8 +1,8 @@
-"""Checkpoint admission (``--checkpoint-admission``, scheduler/admission.py; issue 21 item 3):
-``all`` stores at every interval multiple and the prompt end, as before; ``reuse`` stores at the
-ends of a turn always, at a branch point of the tree, and nowhere a request is the first to
-reach.  The scheduler runs against the symbolic ranks of tests/fake_ranks.py, with the
-integrity check after every operation."""
+"""Checkpoint admission (``--checkpoint-admission``, scheduler/admission.py): ``all`` stores at
+every interval multiple and the prompt end; ``reuse`` stores at the ends of a turn always, at a
+branch point of the tree, and nowhere a request is the first to reach; ``branch`` (the default)
+stores ``all``'s points and the branch point.  The scheduler runs against the symbolic ranks
+of tests/fake_ranks.py, with the integrity check after every operation."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ INTERVAL = 16
 MAX_TOKENS = 4  # a finished request's checkpoint lies at len(prompt) + MAX_TOKENS - 1
 
 
-def scheduler(admission: str):
+def scheduler(admission: str, interval: int = INTERVAL):
     return make(max_total_tokens=2000, num_checkpoint_slots=32, chunked_prefill_size=256,
-                checkpoint_interval=INTERVAL, ckpt_admission=admission)
+                checkpoint_interval=interval, ckpt_admission=admission)
 
 
 def ckpt_depths(s) -> set[int]:
@@ -89,7 +89,7 @@ def test_cached_len_counts_a_partial_edge():
 
 
 def test_an_unknown_admission_is_refused():
-    with pytest.raises(ValueError, match="checkpoint admission must be one of all, reuse"):
+    with pytest.raises(ValueError, match="checkpoint admission must be one of branch, all, reuse"):
         make(ckpt_admission="every")
 
 
@@ -127,6 +127,32 @@ def test_reuse_hits_at_a_branch_point_off_the_interval():
             hits[admission, k] = serve(loop, f"r{k}", prefix + tokens(k, 12))
     assert [hits["reuse", k] for k in (20, 30, 40)] == [0, 0, 37]
     assert [hits["all", k] for k in (20, 30, 40)] == [0, 32, 32]
+    # 5 tokens past the grid's 32: not worth a checkpoint (MIN_BRANCH_GAIN)
+    assert [hits["branch", k] for k in (20, 30, 40)] == [0, 32, 32]
+
+
+def test_branch_stores_the_branch_point_past_the_grid():
+    """The first sharer's interval point serves the second, whose branch point (36 tokens
+    past it) serves the third."""
+    prefix = tokens(0, 100)
+    hits = {}
+    for admission in ("branch", "all"):
+        loop = Loop(scheduler(admission, interval=64), random_tokens())
+        hits[admission] = [serve(loop, f"r{k}", prefix + tokens(k, 12)) for k in (20, 30, 40)]
+    assert hits == {"branch": [0, 64, 100], "all": [0, 64, 64]}
+
+
+@pytest.mark.parametrize("n", [20, 45, 64, 100])
+def test_branch_is_all_plus_the_branch_point(n):
+    prompt = tokens(0, n)
+    empty = RadixCache(IndexPool(256), IndexPool(8))
+    assert store_points(prompt, INTERVAL, "branch", empty) == store_points(
+        prompt, INTERVAL, "all", empty)
+    cut = n // 2 + 3  # off the interval grid, at least MIN_BRANCH_GAIN past its checkpoint
+    other = cache_with(prompt[:cut] + [0] * 40, [cut + 40])
+    if cut - 0 >= MIN_BRANCH_GAIN and cut < n - 1:
+        assert store_points(prompt, INTERVAL, "branch", other) == sorted(
+            {*store_points(prompt, INTERVAL, "all", other)[:-1], cut}) + [n - 1]
 
 
 def test_reuse_keeps_the_ends_of_a_turn_and_skips_a_branch_they_cover():
@@ -156,6 +182,7 @@ def test_the_flag_reaches_the_scheduler():
     from scheduler.serve_config import ServeConfig
 
     info = RankInfo("kimi_linear", 1, 64, None, 4096, 4, 100, 100, 0)
-    for flags, admission in (([], "all"), (["--checkpoint-admission", "reuse"], "reuse")):
+    for flags, admission in (([], "branch"), (["--checkpoint-admission", "all"], "all"),
+                             (["--checkpoint-admission", "reuse"], "reuse")):
         sent = serve_config(parse_args(flags)).to_json()
         assert scheduler_config(ServeConfig.from_json(sent), info).ckpt_admission == admission

@@ -314,3 +314,21 @@ def test_text_that_cannot_fit_is_refused_before_it_is_encoded(default_server):
     assert got.status_code == 400 and error["param"] == "prompt"
     assert "3,000,000 bytes of text" in error["message"]
     assert "can fit the context" in error["message"]
+
+
+@pytest.mark.parametrize("prefix_len", [192, 300])
+def test_a_shared_prefix_is_hit_from_its_third_sharer_with_default_flags(url, prefix_len):
+    """vLLM's bench shape (a 192-token shared prefix under the 256-token checkpoint interval)
+    and one off the grid: the first sharer stores the interval points inside the prefix, the
+    second the point where it branches off the first (its prompt then hits the grid), the third
+    hits the whole prefix."""
+    wait_idle(url)
+    assert httpx.post(url + "/flush_cache", timeout=60).json()["ok"]
+    prefix = bytes(range(32, 32 + 95)).decode() * 4  # 380 distinct-ish printable characters
+    hits = []
+    for i in range(3):
+        body = complete(url, {"prompt": prefix[:prefix_len] + f"{i}: and what now?",
+                              "max_tokens": 2, "temperature": 0})
+        hits.append(cached_tokens(body))
+    grid = 256 if prefix_len > 256 else 0
+    assert hits == [0, grid, prefix_len]

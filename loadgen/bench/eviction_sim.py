@@ -1,4 +1,4 @@
-"""Checkpoint admission and eviction (``--checkpoint-admission all|reuse``,
+"""Checkpoint admission and eviction (``--checkpoint-admission branch|all|reuse``,
 ``--checkpoint-eviction lru|reuse``) under state-pool pressure, without a model: the real
 scheduler plans every step of a closed loop of C requests and stand-in ranks answer with seeded
 tokens.  The hit rate (cached / prompt tokens) and the checkpoints stored depend only on the
