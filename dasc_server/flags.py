@@ -14,6 +14,7 @@ from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
 from model_runner.config import DEFAULT_MODEL
+from model_runner.model_files import resolve_dtype
 from model_runner.rank_args import FP32_WEIGHTS
 from scheduler.admission import CKPT_ADMISSIONS, DEFAULT_CKPT_ADMISSION
 from scheduler.ckpt_eviction import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
@@ -77,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 def add_rank_flags(p: argparse.ArgumentParser) -> None:
     """``ServeConfig.ranks`` and ``ServeConfig.checkpoints``."""
     g = p.add_argument_group("model and checkpoints (ranks)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations (bfloat16 is emulated, so slower, on CPUs "
-                        "without native bf16)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and activations; auto: the checkpoint's bfloat16 where this "
+                        "device computes bf16 natively (CUDA, a CPU with AVX512-BF16 or AMX), "
+                        "else float32 (bfloat16 is emulated, so slower, on other CPUs)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     g.add_argument("--cpu-fp32-weights", choices=FP32_WEIGHTS, default="auto",
                    help="hold a bf16 model's GEMM weights in fp32 (2x their memory; activations, "
@@ -197,7 +199,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     a = args
     return ServeConfig(
         model=a.model,
-        ranks=RankConfig(a.dtype, a.device, a.cpu_fp32_weights, a.cpu_packed_weights == "on",
+        ranks=RankConfig(resolve_dtype(a.dtype, a.model, a.device), a.device,
+                         a.cpu_fp32_weights, a.cpu_packed_weights == "on",
                          not a.disable_cuda_graph, a.cuda_graph_max_bs,
                          a.cuda_graph_max_context, a.state_budget_bytes, a.checkpoint_slots),
         scheduling=SchedulingConfig(

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: without either, oneDNN emulates bf16 GEMMs (6x slower than fp32 on
-    the AVX2 machines measured in docs/results/runner.md)."""
+    the AVX2 machines measured in docs/results/runner.md).  Read from /proc/cpuinfo where there
+    is one (the launchers decide the dtype before they import torch), else asked of torch."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return any(flag in line.split() for flag in BF16_FLAGS)
+    except OSError:
+        pass
+    import torch
+
     caps = torch.cpu.get_capabilities()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    return any(caps.get(flag) for flag in BF16_FLAGS)
 
 
 def emulated_bf16_note(device: str, dtype: str, fp32_weights: str = "auto") -> str | None:

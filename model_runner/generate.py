@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate at most (fewer at the model's eos)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and activations; auto: the checkpoint's bfloat16 where this "
+                        "device computes bf16 natively, else float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids")
     return p
@@ -90,6 +91,7 @@ def validate(args: argparse.Namespace) -> list[int]:
 def run_rank(args: argparse.Namespace, ids: list[int]) -> None:
 
     from model_runner.engine import OfflineEngine
+    from model_runner.model_files import resolve_dtype
     from model_runner.parallel import init_tp_group, rank_device, shutdown_tp_group
     from model_runner.runner import ModelRunner, RunnerConfig
 
@@ -97,7 +99,8 @@ def run_rank(args: argparse.Namespace, ids: list[int]) -> None:
     tp = init_tp_group(device)
     page_size = 16
     num_pages = -(-(len(ids) + args.max_new_tokens) // page_size) + 1
-    rc = RunnerConfig(args.model, dtype=args.dtype, device=str(device), num_pages=num_pages,
+    dtype = resolve_dtype(args.dtype, args.model, str(device))
+    rc = RunnerConfig(args.model, dtype=dtype, device=str(device), num_pages=num_pages,
                       page_size=page_size, num_state_slots=2)
     runner = ModelRunner(rc, tp)
     out = OfflineEngine(runner).generate([ids], args.max_new_tokens, args.temperature, args.seed,

@@ -13,7 +13,8 @@ from safetensors import SafetensorError, safe_open
 
 from model_runner.config import ConfigError, ModelConfig
 
-__all__ = ["WeightsError", "check_tp", "check_weight_files", "weight_files"]
+__all__ = ["WeightsError", "check_tp", "check_weight_files", "checkpoint_dtype", "resolve_dtype",
+           "weight_files"]
 
 
 class WeightsError(ValueError):
@@ -70,3 +71,36 @@ def check_weight_files(model_dir: Path) -> None:
                 f.keys()
         except SafetensorError as e:
             raise WeightsError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str | None:
+    """The dtype config.json says the weights are in (``dtype``, or the older ``torch_dtype``;
+    in ``text_config`` for Qwen3.5 as shipped); None if it says nothing or cannot be read."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for cfg in (raw, raw.get("text_config") if isinstance(raw, dict) else None):
+        if isinstance(cfg, dict):
+            for key in ("dtype", "torch_dtype"):
+                if isinstance(cfg.get(key), str):
+                    return cfg[key]
+    return None
+
+
+def resolve_dtype(requested: str, model_dir: str | Path, device: str,
+                  native_bf16: bool | None = None) -> str:
+    """``--dtype auto``: bfloat16 for a bf16 checkpoint on a device that computes bf16 natively
+    (CUDA, or a CPU with AVX512-BF16 or AMX), float32 otherwise (an fp32 checkpoint, or a CPU
+    that only emulates bf16, where fp32 is several times faster).  Any other request stands."""
+    if requested != "auto":
+        return requested
+    if checkpoint_dtype(model_dir) != "bfloat16":
+        return "float32"
+    if device.startswith("cuda"):
+        return "bfloat16"
+    if native_bf16 is None:
+        from model_runner.cpu_features import cpu_has_native_bf16
+
+        native_bf16 = cpu_has_native_bf16()
+    return "bfloat16" if native_bf16 else "float32"

@@ -1,17 +1,23 @@
 """config.json parsing for the families beyond the built-in two, without weights: Qwen3.5 as
 shipped (the language model's fields under text_config, the top level's tie), MoE configs with
 no dense MLP size, OLMo-Hybrid's defaults (transformers' rotary, negative eigenvalues), errors
-that name the field as the file holds it, and the loader's one line for what it skips."""
+that name the field as the file holds it, the loader's one line for what it skips, and the
+dtype ``--dtype auto`` picks."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 from random_checkpoints import _rewrite, make_model
 from runner_scenarios import make_runner
 from safetensors import safe_open
+from serving import KIMI
 
 from model_runner.config import ConfigError, ModelConfig
-from model_runner.model_files import check_tp
+from model_runner.cpu_features import cpu_has_native_bf16
+from model_runner.model_files import check_tp, resolve_dtype
 
 TEXT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
         "full_attention_interval": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -96,3 +102,32 @@ def test_unused_tensors_are_skipped_with_one_line(tmp_path, capfd):
         visual = sum(name.startswith("model.visual.") for name in f.keys())
     assert len(err) == 1 and "not loaded, unused for serving" in err[0]
     assert f"model.visual.* ({visual})" in err[0] and "mtp.* (2)" in err[0]
+
+
+@pytest.mark.parametrize("config,device,native,expected", [
+    ({"dtype": "bfloat16"}, "cpu", True, "bfloat16"),
+    ({"dtype": "bfloat16"}, "cpu", False, "float32"),  # emulated bf16: fp32 is faster
+    ({"torch_dtype": "bfloat16"}, "cuda", False, "bfloat16"),
+    ({"text_config": {"dtype": "bfloat16"}}, "cpu", True, "bfloat16"),  # Qwen3.5 as shipped
+    ({"dtype": "float32"}, "cpu", True, "float32"),
+    ({}, "cpu", True, "float32"),
+])
+def test_auto_dtype_follows_the_checkpoint_where_the_device_computes_it(
+        tmp_path, config, device, native, expected):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_dtype("auto", tmp_path, device, native_bf16=native) == expected
+    assert resolve_dtype("float32", tmp_path, device, native_bf16=native) == "float32"
+
+
+def test_the_servers_default_dtype_is_the_resolved_one(tmp_path):
+    from dasc_server.flags import parse_args, serve_config
+
+    assert serve_config(parse_args([])).ranks.dtype == "float32"  # the built-in fp32 model
+    model = tmp_path / "bf16"
+    shutil.copytree(KIMI, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    got = serve_config(parse_args(["--model", str(model)])).ranks.dtype
+    assert got == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert serve_config(parse_args(["--model", str(model), "--dtype", "float32"])
+                        ).ranks.dtype == "float32"

@@ -51,8 +51,9 @@ def other_value(action: argparse.Action) -> list[str]:
     flag = action.option_strings[0]
     if action.nargs == 0:
         return [flag]
-    if action.choices:
-        return [flag, next(str(c) for c in action.choices if c != action.default)]
+    if action.choices:  # the last other choice (--dtype's first, float32, is what auto picks
+        # for the built-in model)
+        return [flag, [str(c) for c in action.choices if c != action.default][-1]]
     kind = action.type or str
     value = {int: "7", float: "3.5", str: "elsewhere"}[kind]
     assert str(action.default) != value

@@ -26,8 +26,10 @@ nothing here is committed.  Shapes are the public configs' (SPEC §5):
   layers, its 100,352-token vocabulary.
 
 The first two default to the byte tokenizer's 264 ids as their vocabulary, the Qwen3.5 and
-OLMo ones to the real vocabulary (the byte tokenizer serves its first ids; sampled ids past
-them decode to nothing).  The byte tokenizer's (its files are copied in, so the folder
+OLMo ones to the real vocabulary: their tokenizer is the byte tokenizer with every id past its
+own given a three-character text of printable ASCII, so text encodes to bytes as before and
+whatever id the model samples decodes to text (load generators count empty answers as
+errors).  The byte tokenizer's (its files are copied in, so the folder
 serves text), the lm_head being the one shape that is not the real one.  Weights are N(0, 0.02);
 decay parameters take fla's init (A_log = log U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3,
 1e-1)), so retention horizons spread as in trained models rather than transformers' dt_bias = 1.
@@ -196,6 +198,23 @@ def build(name: str, num_layers: int | None = None, num_experts: int | None = No
     return model.eval()
 
 
+def widen_tokenizer(path: Path, vocab_size: int) -> None:
+    """Give the byte tokenizer ``vocab_size`` ids: each id past its own decodes to three
+    printable ASCII characters (never produced by encoding: there are no merges)."""
+    raw = json.loads(path.read_text())
+    vocab = raw["model"]["vocab"]
+    # the special tokens keep their ids only if the model's vocabulary holds them too
+    vocab.update({t["content"]: t["id"] for t in raw["added_tokens"]})
+    taken = set(vocab.values())
+    chars = [chr(c) for c in range(33, 127)]  # their own byte-level characters
+    n = len(chars)
+    texts = (chars[i // (n * n)] + chars[i // n % n] + chars[i % n] for i in range(n ** 3))
+    for token_id in range(vocab_size):
+        if token_id not in taken:
+            vocab[next(texts)] = token_id
+    path.write_text(json.dumps(raw, ensure_ascii=False))
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("DASC_CACHE_DIR", Path.home() / ".cache" / "dasc")) / "models"
 
@@ -214,7 +233,7 @@ def ensure(name: str, num_layers: int | None = None, num_experts: int | None = N
     """The cached folder for these options, written first if missing (atomically)."""
     num_layers, num_experts, vocab_size = resolve(name, num_layers, num_experts, vocab_size)
     options = dict(name=name, layers=num_layers, experts=num_experts, vocab=vocab_size, seed=seed,
-                   dtype=dtype, version=1)
+                   dtype=dtype, version=3)
     key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
     folder = (cache_dir or cache_root()) / f"{name}-{num_layers}l-{num_experts}e-{dtype}-{key}"
     if (folder / "config.json").exists():
@@ -224,6 +243,8 @@ def ensure(name: str, num_layers: int | None = None, num_experts: int | None = N
     model.save_pretrained(str(partial))
     for f in TOKENIZER_FILES:
         shutil.copy(ASSETS / f, partial / f)
+    if vocab_size > 264:
+        widen_tokenizer(partial / "tokenizer.json", vocab_size)
     (partial / "dasc_shape.json").write_text(json.dumps(options, indent=1) + "\n")
     partial.rename(folder)
     return folder
