@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-per-group", type=int, default=8, help="prompts / turns of each")
     g.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared prefix")
     g.add_argument("--suffix-len", type=int, default=32, help="tokens after the prefix")
+    g.add_argument("--system-len", type=int, default=0,
+                   help="multi-turn: tokens of one system prompt before every conversation "
+                        "(shared by all, as an agent's instructions are)")
     g.add_argument("--with-replies", action="store_true",
                    help="multi-turn: each turn resends the previous turn's reply (its token ids, "
                         "asked for with return_token_ids) before its new tokens, as a chat "
@@ -127,7 +130,7 @@ async def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
             else:
                 requests = multi_turn(args.num_groups, args.prompts_per_group, args.prefix_len,
                                       args.suffix_len, tr, args.seed, args.max_tokens,
-                                      args.dataset_seed, args.with_replies)
+                                      args.dataset_seed, args.with_replies, args.system_len)
         warm = [r for r in requests if r.is_warmup]
         timed = [r for r in requests if not r.is_warmup]
         lines = [{**r.as_json(), "warmup": True}
@@ -176,11 +179,15 @@ def main(argv: list[str] | None = None) -> int:
                              ("--prompts-per-group", args.prompts_per_group, 1),
                              ("--prefix-len", args.prefix_len, 0),
                              ("--suffix-len", args.suffix_len, 0),
+                             ("--system-len", args.system_len, 0),
                              ("--max-tokens", args.max_tokens, 0)):
         if value < low:  # an empty workload would "succeed" with no request sent
             print(f"dasc-loadgen: error: {flag} must be at least {low} (got {value})",
                   file=sys.stderr)
             return 2
+    if args.system_len and args.workload != "multi-turn":
+        print("dasc-loadgen: error: --system-len needs --workload multi-turn", file=sys.stderr)
+        return 2
     if args.with_replies and args.workload != "multi-turn":
         print("dasc-loadgen: error: --with-replies needs --workload multi-turn", file=sys.stderr)
         return 2

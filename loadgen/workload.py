@@ -8,6 +8,8 @@
                    tokens of question, turn k is turn k-1's prompt plus S new tokens (the model's
                    reply is stood in for by random tokens, so every arm sees the same prompts).
                    Turn k waits for turn k-1; the seed shuffles which conversations start first.
+                   ``system_len`` > 0 puts one random system prompt of that many tokens before
+                   every conversation (an agent's tools and instructions, shared by all users).
 ``read_prompt_file`` JSON lines ``{"prompt": text | [ids], "max_tokens"?: n, "warmup"?: bool}``.
 
 The phase workload of the paper (appendix C.2) lives in ``loadgen.phases``.
@@ -56,13 +58,15 @@ def shared_prefix(num_groups: int, prompts_per_group: int, prefix_len: int, suff
 
 def multi_turn(num_conversations: int, num_turns: int, context_len: int, turn_len: int,
                token_range: tuple[int, int], seed: int, max_tokens: int = 1,
-               dataset_seed: int = 0, with_replies: bool = False) -> list[Request]:
+               dataset_seed: int = 0, with_replies: bool = False, system_len: int = 0
+               ) -> list[Request]:
     """The prompts depend on ``dataset_seed`` only; ``seed`` orders the conversations.  Turn k
     extends turn k-1's prompt; ``with_replies``: its prompt and reply, as chat clients send."""
     rng = random.Random(dataset_seed)
+    system = random_ids(random.Random(f"system-{dataset_seed}"), system_len, token_range)
     conversations = []
     for c in range(num_conversations):
-        prompt = random_ids(rng, context_len, token_range)
+        prompt = system + random_ids(rng, context_len, token_range)
         turns = []
         for t in range(num_turns):
             new = random_ids(rng, turn_len, token_range)

@@ -181,3 +181,15 @@ def test_counts_that_would_send_nothing_are_refused(capsys, flag, value, low):
     code = main(["--base-url", "http://127.0.0.1:9", "--workload", "multi-turn", flag, value])
     assert code == 2
     assert f"{flag} must be at least {low} (got {value})" in capsys.readouterr().err
+
+
+def test_multi_turn_system_prompt_is_shared_by_every_conversation():
+    turns = multi_turn(4, 3, 5, 7, (0, 50), seed=1, system_len=20)
+    system = turns[0].prompt[:20]
+    assert all(r.prompt[:20] == system for r in turns)
+    firsts = [r for r in turns if r.tags["turn"] == 0]
+    assert len({tuple(r.prompt[20:]) for r in firsts}) == 4  # then each its own context
+    assert all(len(r.prompt) == 20 + 5 + 7 * (r.tags["turn"] + 1) for r in turns)
+    # the same prompts without the system prompt, behind it
+    plain = multi_turn(4, 3, 5, 7, (0, 50), seed=1)
+    assert [r.prompt[20:] for r in turns] == [r.prompt for r in plain]
