@@ -240,7 +240,7 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
 
     # httptools and uvloop, not h11 and asyncio's loop: the front end shares the CPUs with the
     # ranks, and these cut its CPU per streamed hit by about a quarter (0.90-1.35 -> 0.79-1.03
-    # ms; docs/results/serving.md, session 17)
+    # ms; docs/results/serving.md, the per-request cost of a hit)
     server = Server(uvicorn.Config(app, log_level="warning", http="httptools",
                                    timeout_graceful_shutdown=args.shutdown_timeout))
 

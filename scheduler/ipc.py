@@ -60,7 +60,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def no_delay(conn: Connection) -> Connection:
     """Send small frames at once: without TCP_NODELAY, Nagle's algorithm and delayed ACKs held
-    a stream's second token back ~40 ms and then released ~10 at once (issue 18)."""
+    a stream's second token back ~40 ms and then released ~10 at once."""
     with socket.socket(fileno=os.dup(conn.fileno())) as s:  # the dup shares the socket
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return conn

@@ -16,8 +16,8 @@ them.  When several prompts prefill, each chunk ends at its next point: they adv
 point, breadth first, and a full pool evicts for one store at a time, each after the previous
 one is in the tree.  Cutting through every point of several prompts (depth first, evicting for
 several stores in one step) cost the multi-turn eviction sim up to 15 points of hit rate under
-pressure (docs/results/serving.md, session 15).  A cut whose store finds no checkpoint slot is
-dropped before the step is sent.
+pressure (docs/results/serving.md, a chunk runs through the store points inside it).  A cut
+whose store finds no checkpoint slot is dropped before the step is sent.
 
 While requests decode, a step's prefill may wait: ``--decode-interleave`` runs N decode-only steps
 between prefill steps, ``--decode-first cost`` defers prefill while the running decodes should

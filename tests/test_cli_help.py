@@ -1,4 +1,4 @@
-"""Flags and messages of the command-line tools (issue 18 item 6): every flag explains itself and
+"""Flags and messages of the command-line tools: every flag explains itself and
 shows its default in ``--help``; dasc-loadgen names the URL it cannot reach; dasc-plan prints a
 legend of its columns, says which files it wrote and plots integer ticks on integer axes."""
 
@@ -159,7 +159,7 @@ def test_plan_plot_has_integer_ticks_on_integer_axes() -> None:
 
 def test_dasc_serve_help_imports_no_torch() -> None:
     """Declaring dasc-serve's flags (its own, the ranks', the scheduler's) must not import
-    torch, which takes seconds (issue 18: ``--help`` took 3 s)."""
+    torch, which takes seconds (``--help`` took 3 s with it)."""
     code = ("import sys; from dasc_server.launch import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules, 'triton' in sys.modules)")

@@ -173,9 +173,9 @@ def test_cli_reports_a_refused_connection(dead_url):
 
 
 def test_stream_frames_arrive_as_they_are_made(client):
-    """Issue 18: before TCP_NODELAY on the engine's sockets, from a stream's second request on,
-    its second token came ~40 ms after the first (a delayed ACK) and the next ~10 within
-    0.1 ms of each other.  Here the second token's gap (median over four streams) stays within
+    """Without TCP_NODELAY on the engine's sockets, from a stream's second request on, its
+    second token comes ~40 ms after the first (a delayed ACK) and the next ~10 within 0.1 ms
+    of each other.  Here the second token's gap (median over four streams) stays within
     20 ms of the median gap, and fewer than a quarter of the gaps are such bursts (< 0.2 ms).
     Relative, because under a loaded suite a decode step of this model takes 3 to 30 ms: the
     stall adds its ~40 ms to one gap, load stretches them all."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def test_sends_to_a_scheduler_that_does_not_read_never_block_the_event_loop(monkeypatch):
-    """The front end's messages go out on a writer thread (issue 18): with a scheduler that
+    """The front end's messages go out on a writer thread: with a scheduler that
     reads nothing, so that the socket buffers fill, the event loop still runs on time."""
     import asyncio
     import threading

@@ -25,7 +25,7 @@ MODE = os.environ.get("DASC_FLA_HOPPER", "decode")
 DECODE_KERNELS = {"fused_recurrent_kda_fwd_kernel", "fused_recurrent_gated_delta_rule_fwd_kernel"}
 CHUNK_SPILL_LIMIT_BYTES = 0
 # Measured 2026-12-02: with fp32 q/k/v at K = V = 128 every config of GDN's w/u recompute
-# spills, 592 bytes at best; bf16 operands into fla (issue 20 item 5) should lift it.
+# spills, 592 bytes at best; bf16 operands into fla should lift it.
 KNOWN_SPILL_BYTES = {"recompute_w_u_fwd_kernel": 1024}
 
 

@@ -2,8 +2,9 @@
 on a TCP connection only when the socket says ``proto == IPPROTO_TCP``.  A socket made with proto
 0 left it on, and on a kept-alive connection each streamed frame written after the response
 headers waited for the client's delayed ACK: ~30 ms added to every TTFT from a connection's
-second request on (docs/results/serving.md, "Session 13").  The front end runs on uvloop, which
-turns it off on every TCP connection; the socket stays right for asyncio's loop as well."""
+second request on (docs/results/serving.md, "Nagle's algorithm on the front end's socket").
+The front end runs on uvloop, which turns it off on every TCP connection; the socket stays right
+for asyncio's loop as well."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Budget-driven plans (issue 21 item 4): ``dasc-plan --target-slots N`` picks the smallest W_max
+"""Budget-driven plans: ``dasc-plan --target-slots N`` picks the smallest W_max
 whose worst-rank slot bytes fit N slots in the budget; checked against every candidate W_max on
 the shipped models' real decay weights."""
 

@@ -1,4 +1,4 @@
-"""Quality study (issue 13): paired statistics against known answers, logit fidelity, the
+"""Quality study: paired statistics against known answers, logit fidelity, the
 shared-prefill sweep (every arm, KV restore, the greedy shortcut, resume) and the report."""
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_check_prompt():
         assert info.value.status == 400 and info.value.param == "prompt"
 
 
-# ---- prompt batches, n, unsupported fields (issue 19) -----------------------------------------
+# ---- prompt batches, n, unsupported fields ----------------------------------------------------
 
 
 def test_prompt_batches_and_single_prompts():

@@ -91,9 +91,9 @@ def test_a_parked_slot_goes_back_when_its_kv_is_evicted():
 
 
 def test_every_checkpoint_store_is_counted():
-    """Issue 18: the stores made when a request finishes (prompt + output) went uncounted, so
-    /v1/stats showed fewer checkpoints stored than cached.  With no eviction the counter is
-    the number of slots the ranks wrote and the tree holds."""
+    """The stores made when a request finishes (prompt + output) are counted too, so
+    /v1/stats never shows fewer checkpoints stored than cached.  With no eviction the counter
+    is the number of slots the ranks wrote and the tree holds."""
     s = make(num_checkpoint_slots=16, checkpoint_interval=8)
     loop = Loop(s, random_tokens())
     prompt = prompt_of(20)

@@ -42,7 +42,7 @@ def test_prefill_budget_follows_the_measured_rate():
 
 
 def test_ipc_connections_send_small_frames_at_once(monkeypatch):
-    """Both ends of an engine connection set TCP_NODELAY (issue 18: Nagle held tokens back),
+    """Both ends of an engine connection set TCP_NODELAY (else Nagle holds tokens back),
     and a message still round-trips."""
     import os
     import socket

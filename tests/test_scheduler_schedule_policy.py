@@ -1,4 +1,4 @@
-"""Schedule policies (scheduler/policy.py, issue 21 item 1): fcfs keeps arrival order; lpm takes
+"""Schedule policies (scheduler/policy.py): fcfs keeps arrival order; lpm takes
 the shortest remaining prefill first (hits before misses, the longest cached prefix first),
 keeps misses' prefill out of a step of hits, and bounds how often a request can be passed.
 

@@ -1,4 +1,4 @@
-"""The one serving config and the typed seams (issue 22, items 4 and 6): every dasc-serve flag
+"""The one serving config and the typed seams: every dasc-serve flag
 lands in the ``ServeConfig`` the children receive (or is the launcher's own), the config
 survives its JSON trip and refuses malformed input by name, the IPC unpickler builds the new
 types and nothing else, the scheduler process sends one ``TokenBatch`` per step carrying every

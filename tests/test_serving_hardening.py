@@ -114,7 +114,7 @@ def test_clients_that_vanish_mid_stream_leak_nothing(guarded):
     jobs = [(p, rng.randrange(1, 12)) for p in prompts(5, 20)]
     with ThreadPoolExecutor(20) as pool:
         list(pool.map(lambda j: stream(server.base_url, j[0], 200, stop_after=j[1]), jobs))
-    deadline = time.monotonic() + 1.0  # the bound after the last disconnect
+    deadline = time.monotonic() + 1.0  # the bound on clean-up after the last disconnect
     # The scheduler frees a request when its abort arrives; the front end counts the abort when
     # the stream's generator is closed, which may come a moment later: wait for both.
     while time.monotonic() < deadline and (

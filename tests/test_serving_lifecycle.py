@@ -1,6 +1,6 @@
 """dasc-serve as one command: SIGTERM and Ctrl-C stop every process it started, quietly; a
 child that dies ends the server with a non-zero exit and one error line naming it; bad
-arguments and taken ports fail before any model loads (issue 18)."""
+arguments and taken ports fail before any model loads."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_a_dead_rank_ends_the_server_with_an_error():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_rank_failing_at_start_up_ends_the_server(tp):
     """A rank that fails before it connects (here: a budget that holds no checkpoint slot) ends
-    dasc-serve with one error line naming the cause, not a wait (issue 18).  The ranks' other
+    dasc-serve with one error line naming the cause, not a wait.  The ranks' other
     lines pass through: in bf16 on a CPU that emulates it, rank 0's note says so."""
     from model_runner.cpu_features import cpu_has_native_bf16
 

@@ -1,6 +1,6 @@
 """loadgen/bench/step_cost.py: the graph path reads only the routed experts at decode batch
-sizes, and the all-experts figures are the issue's (~94 GB Kimi-Linear, ~154 GB Qwen3-Next at
-TP 1)."""
+sizes, and the all-experts figures are the expected ones (~94 GB Kimi-Linear, ~154 GB
+Qwen3-Next at TP 1)."""
 
 from __future__ import annotations
 

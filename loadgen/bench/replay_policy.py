@@ -1,4 +1,4 @@
-"""Schedule policies on issue 21's concurrent workload: distinct prompts, each sent 1 + R times
+"""Schedule policies on a concurrent workload with repeats: distinct prompts, each sent 1 + R times
 in one seeded shuffled order, a closed loop of C requests in flight, prompt-end checkpoints
 only, dense vs dasc-nr at one per-rank state budget.  Every (arm, policy) gets its own
 dasc-serve; the policies of one arm run back to back, so their ratios share the machine's load.

@@ -94,8 +94,8 @@ def hit_vs_miss(server, args) -> dict:
 
 def decode_share(server, args) -> dict:
     """The window opens when every request of the batch has its first token, so it holds
-    decode steps only (before session 21 it also held the batch's prefill steps, which raised
-    the mean: 64 against ~45 ms a step at batch 2, Qwen shape)."""
+    decode steps only (a window that also held the batch's prefill steps raised the mean: 64
+    against ~45 ms a step at batch 2, Qwen shape)."""
     rng = random.Random(1)
     prompts = [text_ids(rng, args.decode_prompt_len) for _ in range(args.batch)]
     first = threading.Barrier(args.batch + 1, timeout=600)  # a failed request breaks it

@@ -8,7 +8,7 @@ Pure arithmetic from config.json (defaults: Qwen3-Next-80B-A3B and Kimi-Linear-4
 ``tests/data/configs``), no weights.  Paths, per rank:
 - ``eager``: routed experts grouped by a host-side sort; each distinct routed expert is read
   once per step (expected distinct count under uniform routing, E (1 - (1 - k/E)^B)).
-- ``graph, all experts``: the fixed-shape form before issue 20, every expert on every token.
+- ``graph, all experts``: the fixed-shape form that runs every expert on every token.
 - ``graph``: the fixed-shape form now (``model_runner.layers.mlp.uses_gathered_experts`` with
   the CUDA limit): each (token, slot) pair reads its expert's rows, B k expert reads, until the
   batch passes the limit and the all-experts form takes over.

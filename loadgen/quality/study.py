@@ -1,4 +1,4 @@
-"""``dasc-eval study``: the whole quality study in one resumable command (issue 13).
+"""``dasc-eval study``: the whole quality study in one resumable command.
 
 For every model: ``dasc-eval`` with the arms dense, nr, wr, nr-int8 at every W_max and random at
 every W_max and mask seed, appending to ``OUT_DIR/<model>.jsonl`` (an interrupted study continues
