@@ -2,7 +2,8 @@
 equal the offline engine's (no cache) for A,B,B,A interleaving, shared-prefix families, prompts
 shorter than the checkpoint interval, exact repeats (which must hit), multi-turn follow-ups and
 related prompts arriving together while cold.  Kimi-Linear and Qwen3-Next (built in) and a
-random Qwen3.5 as Qwen ships it (vision tower beside a nested language model), TP=1 and TP=2.
+random Qwen3.5 as Qwen ships it (vision tower beside a nested language model), TP=1 and TP=2,
+and a random OLMo-Hybrid at TP=2.
 """
 
 from __future__ import annotations
@@ -19,20 +20,28 @@ SHORT = ids("Hi there.")  # shorter than the checkpoint interval
 
 
 @pytest.fixture(scope="module")
-def qwen3_5_dir(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("qwen3_5")
-    make_served_model("qwen3_5_vl", model_dir, seed=5)
-    return model_dir
+def random_dirs(tmp_path_factory):
+    """Random served models by architecture, made on first use."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            made[arch] = tmp_path_factory.mktemp(arch)
+            make_served_model(arch, made[arch], seed=5)
+        return made[arch]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=[(KIMI, 1), (KIMI, 2), (QWEN, 1), (QWEN, 2),
-                                        ("qwen3_5", 1), ("qwen3_5", 2)],
+                                        ("qwen3_5_vl", 1), ("qwen3_5_vl", 2),
+                                        ("olmo_hybrid", 2)],
                 ids=["kimi-tp1", "kimi-tp2", "qwen-tp1", "qwen-tp2", "qwen3_5-tp1",
-                     "qwen3_5-tp2"])
+                     "qwen3_5-tp2", "olmo-hybrid-tp2"])
 def served(request):
     model, tp = request.param
-    if model == "qwen3_5":
-        model = request.getfixturevalue("qwen3_5_dir")
+    if isinstance(model, str):
+        model = request.getfixturevalue("random_dirs")(model)
     with running_server("--model", str(model), "--tp", str(tp), "--wmax", "0",
                         "--checkpoint-interval", str(INTERVAL)) as server:
         yield server, Reference(model)
