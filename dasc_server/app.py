@@ -115,6 +115,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
 
     reasons = has_reasoning_format(tokenizer)  # the template writes <think>...</think>
     threads = TokenizerThreads(tokenizer, engine.info.rank.max_context_len)
+    metrics.preparing.set_function(lambda: threads.in_flight)
     app.router.on_shutdown.append(threads.shutdown)
 
     def prompt_batch(req: CompletionRequest | ChatCompletionRequest,
@@ -282,7 +283,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
     @app.get("/v1/stats")
     async def stats() -> dict:
         """Pool occupancy, counters, step timing and a fresh integrity check (JSON)."""
-        return asdict(await scheduler_stats())
+        return {**asdict(await scheduler_stats()), "num_preparing": threads.in_flight}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -7,7 +7,7 @@ scrape always shows the current state (no background polling, nothing stale).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler.messages import ServerInfo, Stats
@@ -80,6 +80,9 @@ class Metrics:
                                "string)", registry=self.registry)
         self.finished = Counter("dasc_finished_requests", "requests finished",
                                 ["finish_reason"], registry=self.registry)
+        # requests the front end is still rendering and tokenizing: not yet the scheduler's
+        self.preparing = Gauge("dasc_preparing_requests", "requests whose prompt the front end "
+                               "is still rendering or tokenizing", registry=self.registry)
         self._scheduler = _SchedulerCollector(info)
         self.registry.register(self._scheduler)
 

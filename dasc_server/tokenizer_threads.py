@@ -31,6 +31,7 @@ class TokenizerThreads:
         self.tokenizer, self.max_context_len = tokenizer, max_context_len
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="dasc-tokenize")
         self._local = threading.local()
+        self.in_flight = 0
         # bytes of the longest token's text (UTF-8 of its vocabulary string: an upper bound)
         self.max_token_bytes = max((len(t.encode()) for t in tokenizer.get_vocab()),
                                    default=1) if tokenizer is not None else 1
@@ -45,7 +46,13 @@ class TokenizerThreads:
         return tok
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """``fn(*args)`` in the pool; ``in_flight`` counts the calls not yet returned (read and
+        written on the event loop's thread only)."""
+        self.in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.in_flight -= 1
 
     def check_fits(self, text: str, param: str) -> None:
         """Refuse a text too long for the context before encoding it."""

@@ -284,8 +284,8 @@ def test_client_leaving_a_json_request_aborts_it(url):
 
 def test_a_long_prompt_does_not_stall_the_requests_beside_it(default_server):
     """Tokenising runs off the event loop: while a batch of long text prompts (~3 MB, seconds
-    to encode, each then too long for the context) is being encoded, short requests sent after
-    it are answered first."""
+    to encode, each then too long for the context) is being encoded, /v1/stats and /metrics
+    count it as preparing, and short requests sent after it are answered first."""
     url = default_server.base_url
     long_body = {"prompt": ["The grass is green. " * 600] * 250, "max_tokens": 1}
     done: dict[str, float] = {}
@@ -298,6 +298,9 @@ def test_a_long_prompt_does_not_stall_the_requests_beside_it(default_server):
     long = threading.Thread(target=send, args=("long", long_body))
     long.start()
     time.sleep(0.3)  # its body is in and being encoded
+    # the front end shows it, before the scheduler knows of it
+    assert httpx.get(f"{url}/v1/stats", timeout=10).json()["num_preparing"] == 1
+    assert "dasc_preparing_requests 1.0" in httpx.get(f"{url}/metrics", timeout=10).text
     for i in range(3):
         send(f"short{i}", {"prompt": f"Hi {i}", "max_tokens": 2, "temperature": 0})
     long.join(120)
