@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dasc_server.tool_calls import partial_suffix, template_text
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def has_reasoning_format(tokenizer: Any | None) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates
-        template = " ".join(str(t) for t in template.values())
-    return isinstance(template, str) and OPEN in template and CLOSE in template
+    template = template_text(tokenizer)
+    return OPEN in template and CLOSE in template
 
 
 def prompt_opens_reasoning(prompt_text: str) -> bool:
@@ -46,7 +46,7 @@ class ReasoningStream:
             if self.inside:
                 end = self.pending.find(CLOSE)
                 if end < 0:
-                    keep = _partial_suffix(self.pending, CLOSE)
+                    keep = partial_suffix(self.pending, CLOSE)
                     reasoning += self.pending[: len(self.pending) - keep]
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
@@ -83,10 +83,3 @@ def split_reasoning(text: str, inside: bool) -> tuple[str | None, str]:
     more_reasoning, more_content = stream.finish()
     return (reasoning + more_reasoning) or None, content + more_content
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -51,12 +51,18 @@ CALL_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 FUNCTION = "<function="  # the XML style's mark in a template
 
 
+def template_text(tokenizer: Any | None) -> str:
+    """The chat template's source ("" without one; named templates joined)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(str(t) for t in template.values())
+    return template if isinstance(template, str) else ""
+
+
 def tool_format(tokenizer: Any | None) -> str | None:
     """"xml", "hermes" or None: the call style the chat template writes."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates
-        template = " ".join(str(t) for t in template.values())
-    if not isinstance(template, str) or OPEN not in template:
+    template = template_text(tokenizer)
+    if OPEN not in template:
         return None
     return "xml" if FUNCTION in template else "hermes"
 
@@ -246,7 +252,7 @@ class ToolCallStream:
                     self.after_call = not self.pending
                 at = self.pending.find(OPEN)
                 if at < 0:
-                    keep = _partial_suffix(self.pending, OPEN)
+                    keep = partial_suffix(self.pending, OPEN)
                     content += self.pending[: len(self.pending) - keep]
                     self.pending = self.pending[len(self.pending) - keep:]
                     return content, new
@@ -272,7 +278,7 @@ class ToolCallStream:
         return rest
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

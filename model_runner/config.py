@@ -17,12 +17,9 @@ DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "kimi-linear-tiny"
 # `architectures[0]` -> linear-attention kind.  The Qwen3.5 `...ForConditionalGeneration`
 # checkpoints (what Qwen ships) keep the language model's fields under `text_config`.
 ARCHITECTURES = {
-    "Qwen3NextForCausalLM": "gdn",
-    "Qwen3_5ForCausalLM": "gdn",
-    "Qwen3_5ForConditionalGeneration": "gdn",
-    "Qwen3_5MoeForCausalLM": "gdn",
-    "Qwen3_5MoeForConditionalGeneration": "gdn",
-    "OlmoHybridForCausalLM": "gdn",
+    **dict.fromkeys(("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                     "OlmoHybridForCausalLM"), "gdn"),
     "KimiLinearForCausalLM": "kda",
 }
 
@@ -73,13 +70,20 @@ class ModelConfig:
     eos_token_id: int | None = None
     linear_beta_scale: float = 1.0  # 2.0: OLMo-Hybrid's negative eigenvalues (beta in [0, 2])
     use_rope: bool = True  # False: no rotary on the full-attention layers (OLMo-Hybrid NoPE)
-    # where a field comes from in the file when that is not its own name at the top level:
-    # (field, "text_config.x" | "linear_attn_config.num_heads" | ...), for error messages
+    # (field, its name in the file where not its own: "text_config.x", ...), for errors
     field_sources: tuple[tuple[str, str], ...] = ()
 
     def field_name(self, field: str) -> str:
         """The name this config file gives ``field`` (errors name what the user can find)."""
         return dict(self.field_sources).get(field, field)
+
+    @property
+    def weights_prefix(self) -> str:
+        """Where the language model's tensors live on disk (beside a vision tower in Qwen3.5's
+        ``...ForConditionalGeneration`` checkpoints)."""
+        if self.architecture.endswith("ForConditionalGeneration"):
+            return "model.language_model."
+        return "model."
 
     @property
     def is_kda(self) -> bool:
@@ -243,11 +247,7 @@ def _parse_gdn(f: _Fields) -> ModelConfig:
         partial_rotary_factor=float(
             rope.get("partial_rotary_factor",
                      f.get("partial_rotary_factor", default=1.0 if olmo else 0.25, kind=float))),
-        q_lora_rank=None,
-        kv_lora_rank=0,
-        qk_nope_head_dim=0,
-        qk_rope_head_dim=0,
-        v_head_dim=0,
+        q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
         linear_num_key_heads=f.get("linear_num_key_heads"),
         linear_num_value_heads=f.get("linear_num_value_heads"),
         linear_key_head_dim=f.get("linear_key_head_dim"),
@@ -285,7 +285,6 @@ def _parse_kda(f: _Fields) -> ModelConfig:
         mlp_types = ["dense" if i < dense_first else "sparse" for i in range(n)]
     num_heads = lf.get("num_heads", default=None) or f.get("linear_num_heads", default=32)
     heads_field = "linear_attn_config.num_heads" if lin.get("num_heads") else "linear_num_heads"
-    moe_field = "moe_intermediate_size"
     head_dim = lf.get("head_dim", default=None) or f.get("linear_head_dim", default=128)
     kernel = lf.get("short_conv_kernel_size", default=None) or f.get(
         "linear_conv_kernel_dim", default=4)
@@ -320,7 +319,7 @@ def _parse_kda(f: _Fields) -> ModelConfig:
         linear_conv_kernel_dim=kernel,
         field_sources=(("linear_num_key_heads", heads_field),
                        ("linear_num_value_heads", heads_field),
-                       ("shared_expert_intermediate_size", moe_field)),
+                       ("shared_expert_intermediate_size", "moe_intermediate_size")),
     )
 
 

@@ -19,7 +19,6 @@ the same characters.
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from pathlib import Path
@@ -33,22 +32,16 @@ def grammar_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: int 
                       ) -> llguidance.LLTokenizer:
     """The model's Hugging Face fast tokenizer as llguidance sees it, ``vocab_size`` wide (ids
     past the tokenizer's own are never allowed)."""
-    from transformers import AutoTokenizer  # ~0.8 s: only once a request has a grammar
+    import llguidance.hf  # imports transformers (~0.8 s): only once a request has a grammar
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     hf = AutoTokenizer.from_pretrained(str(model_dir))
-    backend = json.loads(llguidance_json(hf))
-    backend["added_tokens"] = [t for t in backend.get("added_tokens", []) if t.get("special")]
-    return llguidance.LLTokenizer(json.dumps(backend), n_vocab=vocab_size,
-                                  eos_token=eos_token_id if eos_token_id is not None
-                                  else hf.eos_token_id)
-
-
-def llguidance_json(hf) -> str:
-    """The fast tokenizer's JSON as ``llguidance.hf.from_tokenizer`` serialises it."""
-    backend = copy.copy(hf.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    return backend.to_str()
+    raw = json.loads(hf.backend_tokenizer.to_str())
+    raw["added_tokens"] = [t for t in raw.get("added_tokens", []) if t.get("special")]
+    text_only = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(raw)))
+    eos = eos_token_id if eos_token_id is not None else hf.eos_token_id
+    return llguidance.hf.from_tokenizer(text_only, n_vocab=vocab_size, eos_token=eos)
 
 
 class TokenizerCache:

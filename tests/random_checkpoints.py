@@ -41,14 +41,17 @@ def _perturb(model, gen, std: float) -> None:
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
 
 
+# the tiny GDN models' shared geometry: 4 layers of width 64, 2 key / 4 value heads of 16
+TINY_GDN = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                rms_norm_eps=1e-6)
+PARTIAL_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+
 def qwen3_next_config(**overrides) -> dict:
-    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-               shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
-               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-               num_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-6,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": 0.25})
+    cfg = dict(TINY_GDN, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+               num_experts=4, num_experts_per_tok=2, rope_parameters=PARTIAL_ROTARY)
     cfg.update(overrides)
     return cfg
 
@@ -71,22 +74,15 @@ def kimi_linear_config(**overrides) -> dict:
 
 def qwen3_5_config(**overrides) -> dict:
     """Qwen3.5's text config (dense unless num_experts is given); layer 3 is full attention."""
-    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-               linear_num_value_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": 0.25, "mrope_interleaved": True,
-                                "mrope_section": [1, 1, 0]})
+    cfg = dict(TINY_GDN, tie_word_embeddings=True, rope_parameters={
+        **PARTIAL_ROTARY, "mrope_interleaved": True, "mrope_section": [1, 1, 0]})
     cfg.update(overrides)
     return cfg
 
 
 def olmo_hybrid_config(**overrides) -> dict:
-    cfg = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=2,
-               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
-               pad_token_id=0, eos_token_id=2, rms_norm_eps=1e-6)
+    cfg = {k: v for k, v in TINY_GDN.items() if k != "head_dim"}  # 64 / 4 heads = 16
+    cfg.update(num_key_value_heads=4, linear_value_head_dim=24, pad_token_id=0, eos_token_id=2)
     cfg.update(overrides)
     return cfg
 
@@ -186,37 +182,30 @@ def make_model(arch: str, out_dir: str | Path, seed: int = 0, std: float = 0.08,
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     out_dir = Path(out_dir)
-    if arch in QWEN3_5 or arch == "olmo_hybrid":
-        model = _qwen3_5_model(arch, overrides) if arch in QWEN3_5 else \
-            OlmoHybridForCausalLM(OlmoHybridConfig(**olmo_hybrid_config(**overrides)))
-        decays = [(m.A_log, m.dt_bias) for name, m in model.named_modules()
-                  if name.endswith("linear_attn")]
-        _perturb(model, gen, std)
-        for a_log, dt_bias in decays:
-            _spread_decay(a_log, dt_bias, gen)
-        model.config._attn_implementation = "eager"
-        model.eval()
-        model.save_pretrained(str(out_dir))
-        if "moe" in arch:
-            _rewrite(out_dir, _fuse_experts)
-        if arch == "olmo_hybrid":
-            _rewrite(out_dir, _olmo_convs(model.config))
-        return model
     if arch == "kda":
         model = KimiLinearForCausalLM(KimiLinearConfig(**kimi_linear_config(**overrides)))
         attn = [layer.self_attn for layer in model.model.layers]
         decays = [(a.forget_gate.A_log, a.forget_gate.dt_bias) for a in attn
                   if hasattr(a, "forget_gate")]
     else:
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(**qwen3_next_config(**overrides)))
-        decays = [(layer.linear_attn.A_log, layer.linear_attn.dt_bias)
-                  for layer in model.model.layers if hasattr(layer, "linear_attn")]
+        if arch in QWEN3_5:
+            model = _qwen3_5_model(arch, overrides)
+        elif arch == "olmo_hybrid":
+            model = OlmoHybridForCausalLM(OlmoHybridConfig(**olmo_hybrid_config(**overrides)))
+        else:
+            model = Qwen3NextForCausalLM(Qwen3NextConfig(**qwen3_next_config(**overrides)))
+        decays = [(m.A_log, m.dt_bias) for name, m in model.named_modules()
+                  if name.endswith("linear_attn")]
     _perturb(model, gen, std)
     for a_log, dt_bias in decays:
         _spread_decay(a_log, dt_bias, gen)
     model.config._attn_implementation = "eager"
     model.eval()
     model.save_pretrained(str(out_dir))
+    if "moe" in arch:
+        _rewrite(out_dir, _fuse_experts)
+    if arch == "olmo_hybrid":
+        _rewrite(out_dir, _olmo_convs(model.config))
     return model
 
 

@@ -25,9 +25,7 @@ SINGLE_NAME = "model.safetensors"
 def decay_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, str]:
     """On-disk names of (A_log, dt_bias) for model layer `layer` (0-based)."""
     module = "self_attn" if cfg.is_kda else "linear_attn"
-    # Qwen3.5 as shipped (...ForConditionalGeneration) nests the language model
-    nest = "language_model." if cfg.architecture.endswith("ForConditionalGeneration") else ""
-    prefix = f"model.{nest}layers.{layer}.{module}"
+    prefix = f"{cfg.weights_prefix}layers.{layer}.{module}"
     return f"{prefix}.A_log", f"{prefix}.dt_bias"
 
 

@@ -28,7 +28,7 @@ from model_runner.layers.linear import (
     new_param,
     rank_slice,
 )
-from model_runner.layers.norm import RMSNorm
+from model_runner.layers.norm import RMSNorm, _normalize
 from model_runner.models.common import (
     DecoderLayer,
     HybridForCausalLM,
@@ -50,22 +50,19 @@ class OlmoGDN(GatedDeltaNet):
             "v": group_rows(v_heads, dv), "z": group_rows(v_heads, dv)}, dtype)
         self.in_proj_ba = ColumnParallelLinear(cfg.hidden_size, {"b": heads, "a": heads}, dtype)
 
-    def conv_parts(self, cfg: ModelConfig, bundles: list[int], v_heads: list[int]) -> dict:
-        """Three tensors that together hold the [q | k | v] conv rows, in one of two splits:
-        as published (Hk*Dk, Hk*Dk and Hv*Dv rows) or as transformers 5.24 saves them (thirds,
-        ``torch.chunk(3)`` of the whole); ``_load_conv_part`` tells them apart by size."""
-        return {part: None for part in "qkv"}
-
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, bundles: list[int],
                  linear_index: int):
         super().__init__(cfg, tp, dtype, bundles, linear_index, norm_eps=GATED_NORM_EPS)
-        self.beta_scale = cfg.linear_beta_scale
+        # the conv's [q | k | v] rows come in three tensors, in one of two splits: as published
+        # (Hk*Dk, Hk*Dk and Hv*Dv rows) or as transformers 5.24 saves them (``torch.chunk(3)``
+        # of the whole); ``_load_conv_part`` tells them apart by size
         key, total = cfg.linear_num_key_heads * self.dk, cfg.linear_conv_dim
         third = -(-total // 3)
         self.conv_splits = ({"q": (0, key), "k": (key, key), "v": (2 * key, total - 2 * key)},
                             {p: (i * third, min(third, total - i * third))
                              for i, p in enumerate("qkv")})
         self.conv1d.weight.weight_loader = self._load_conv_part
+        self.conv1d.weight.shard_ids = set("qkv")
 
     def _load_conv_part(self, p: nn.Parameter, loaded: torch.Tensor, part: str) -> None:
         rows = torch.cat(self.qkv_rows)  # this rank's rows of the whole conv, in order
@@ -76,7 +73,7 @@ class OlmoGDN(GatedDeltaNet):
                 mine = (rows >= start) & (rows < start + length)
                 p.data[mine] = loaded[rows[mine] - start].to(p.dtype)
                 return
-        total = sum(length for _, length in self.conv_splits[0].values())
+        total = sum(self.conv_splits[0]["v"])  # the v part's start plus its length
         raise ValueError(f"shape {tuple(loaded.shape)} is not the {part} part of a "
                          f"{total}-channel conv")
 
@@ -92,13 +89,11 @@ class WholeRMSNorm(nn.Module):
         self.weight = attach_loader(new_param(len(rows), dtype=dtype), {None: rows})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
         if self.tp.size == 1:
-            x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        else:
-            squares = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
-            x_hat = xf * torch.rsqrt(squares / self.full_dim + self.eps)
-        return (self.weight * x_hat).to(x.dtype)
+            return (self.weight * _normalize(x, self.eps)).to(x.dtype)
+        xf = x.float()
+        squares = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        return (self.weight * (xf * torch.rsqrt(squares / self.full_dim + self.eps))).to(x.dtype)
 
 
 class OlmoAttention(nn.Module):

@@ -44,12 +44,11 @@ class GatedDeltaNet(nn.Module):
     come from on disk (Qwen3-Next's per-bundle fused rows here, split tensors in the other
     families' subclasses)."""
 
-    beta_scale = 1.0  # OLMo-Hybrid: 2.0 (negative eigenvalues)
-
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, bundles: list[int],
                  linear_index: int, norm_eps: float | None = None):
         super().__init__()
         self.linear_index = linear_index
+        self.beta_scale = cfg.linear_beta_scale  # 2.0: OLMo-Hybrid's negative eigenvalues
         r, dk, dv = cfg.gva_ratio, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         num_k = cfg.linear_num_key_heads
         self.num_k_local, self.num_v_local = len(bundles), len(bundles) * r
@@ -62,7 +61,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Module()
         self.conv1d.weight = attach_loader(
             new_param(sum(map(len, self.qkv_rows)), cfg.linear_conv_kernel_dim, dtype=dtype),
-            self.conv_parts(cfg, bundles, v_heads), transform=lambda w: w.reshape(w.shape[0], -1))
+            {None: torch.cat(self.qkv_rows)}, transform=lambda w: w.reshape(w.shape[0], -1))
         heads = torch.tensor(v_heads)
         self.A_log = attach_loader(new_param(len(v_heads), dtype=torch.float32), {None: heads})
         self.dt_bias = attach_loader(new_param(len(v_heads), dtype=torch.float32), {None: heads})
@@ -80,10 +79,6 @@ class GatedDeltaNet(nn.Module):
             [group_rows(bundles, size, a, n) for a, n in parts])}, dtype)
         self.in_proj_ba = ColumnParallelLinear(cfg.hidden_size, {None: torch.cat(
             [group_rows(bundles, 2 * r, 0, r), group_rows(bundles, 2 * r, r, r)])}, dtype)
-
-    def conv_parts(self, cfg: ModelConfig, bundles: list[int], v_heads: list[int]) -> dict:
-        """Where the conv weight's rows come from: one [q | k | v] tensor on disk."""
-        return {None: torch.cat(self.qkv_rows)}
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         n, hk, hv = x.shape[0], self.num_k_local, self.num_v_local
