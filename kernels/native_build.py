@@ -40,10 +40,26 @@ def _cache_dirs() -> list[Path]:
     return dirs + [Path(tempfile.gettempdir()) / f"dasc-{os.getuid()}"]
 
 
-def _build(source: Path, name: str, compiler: list[str], cache_dir: Path) -> Path:
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Switch every native kernel off (the torch forms run) or back on in this process, e.g. to
+    time both in one run (``runner_speed --native-kernels alternate``)."""
+    global _enabled
+    _enabled = on
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _build(source: Path, name: str, compiler: list[str], cache_dir: Path,
+           flags: tuple[str, ...]) -> Path:
     """Compile once per (source, flags, compiler, machine); concurrent builders (several ranks)
     each write a temporary file and rename it into place."""
-    key = hashlib.sha256(source.read_bytes() + " ".join((*compiler, *FLAGS)).encode())
+    flags = (*FLAGS, *flags)
+    key = hashlib.sha256(source.read_bytes() + " ".join((*compiler, *flags)).encode())
     target = cache_dir / f"{name}-{platform.machine()}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -51,7 +67,7 @@ def _build(source: Path, name: str, compiler: list[str], cache_dir: Path) -> Pat
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([*compiler, *FLAGS, "-o", tmp, str(source), "-lm"], check=True,
+        subprocess.run([*compiler, *flags, "-o", tmp, str(source), "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
         os.replace(tmp, target)
@@ -61,11 +77,13 @@ def _build(source: Path, name: str, compiler: list[str], cache_dir: Path) -> Pat
     return target
 
 
-def load_library(source: Path, name: str, signatures: dict[str, tuple], what: str
+def load_library(source: Path, name: str, signatures: dict[str, tuple], what: str,
+                 flags: tuple[str, ...] = (), returns: dict[str, type] | None = None
                  ) -> ctypes.CDLL | None:
-    """``source`` compiled and loaded, each function of ``signatures`` typed (argument types;
-    no return value), or None (disabled, no compiler, or the build failed: warned, naming
-    ``what`` falls back to torch)."""
+    """``source`` compiled (with ``flags`` beside the common ones) and loaded, each function of
+    ``signatures`` typed (argument types; the return type from ``returns``, else none), or None
+    (disabled, no compiler, or the build failed: warned, naming ``what`` falls back to
+    torch)."""
     if os.environ.get("DASC_NATIVE_KERNELS", "1") == "0":
         return None
     compiler = shlex.split(os.environ.get("CC", "")) or [
@@ -75,7 +93,7 @@ def load_library(source: Path, name: str, signatures: dict[str, tuple], what: st
     errors = []
     for cache_dir in _cache_dirs():
         try:
-            lib = ctypes.CDLL(str(_build(source, name, compiler, cache_dir)))
+            lib = ctypes.CDLL(str(_build(source, name, compiler, cache_dir, flags)))
             break
         except (OSError, subprocess.SubprocessError) as exc:
             errors.append(str(getattr(exc, "stderr", "") or exc).strip())
@@ -85,5 +103,5 @@ def load_library(source: Path, name: str, signatures: dict[str, tuple], what: st
         return None
     for fn_name, argtypes in signatures.items():
         fn = getattr(lib, fn_name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, (returns or {}).get(fn_name)
     return lib

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from kernels import cpu_decode, native_build
 from kernels.cpu_decode import conv_in_place, delta_rule_in_place, native_library
 from model_runner.ops import short_conv
 from model_runner.ops.delta_rule_decode import _operands, _update, decode_into, decode_step
@@ -117,12 +117,12 @@ def test_where_the_kernel_does_not_run():
         assert delta_rule_in_place(pool.transpose(2, 3), [1], *rows) is None  # not a row-major one
         with pytest.raises(IndexError, match="outside"):
             delta_rule_in_place(pool, [2], *rows)
-        cpu_decode.set_enabled(False)  # runner_speed --native-kernels off / alternate
+        native_build.set_enabled(False)  # runner_speed --native-kernels off / alternate
         try:
             assert delta_rule_in_place(pool, [1], *rows) is None
             assert conv_in_place(pool[0, 0], torch.zeros(9, 8), pool[:, 0], [1]) is None
         finally:
-            cpu_decode.set_enabled(True)
+            native_build.set_enabled(True)
         assert delta_rule_in_place(pool, [1], *rows) is not None
     assert delta_rule_in_place(pool, [1], *rows) is None  # autograd: the torch form's graph
     # and under autograd decode_step stays differentiable, as training needs
@@ -203,11 +203,11 @@ def test_the_prefill_conv_kernel_gives_the_torch_forms_bits(channels, dtype):
     weight = torch.randn(channels, 4, generator=gen).to(dtype)
     states = torch.randn(len(cu) - 1, channels, 3, generator=gen).to(dtype)
     cuts = [(0, 2), (0, 5), (3, 19)]
-    cpu_decode.set_enabled(False)
+    native_build.set_enabled(False)
     try:
         want = conv_varlen(x, weight, states, cu, cuts)
     finally:
-        cpu_decode.set_enabled(True)
+        native_build.set_enabled(True)
     calls = []
     real = cpu_decode.conv_window_sums
     with pytest.MonkeyPatch.context() as mp:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native_build import I64, PTR, load_library
+from kernels.native_build import I64, PTR, enabled, load_library
 
 SOURCE = Path(__file__).with_name("native.c")
 _SIGNATURES = {
@@ -30,16 +30,6 @@ _SIGNATURES = {
     "dasc_conv_decode": (PTR, I64, PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64),
     "dasc_conv_prefill": (PTR, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I64),
 }
-
-
-_enabled = True
-
-
-def set_enabled(on: bool) -> None:
-    """Switch the kernels off (the torch forms run) or back on in this process, e.g. to time
-    both in one run (``runner_speed --native-kernels alternate``)."""
-    global _enabled
-    _enabled = on
 
 
 @cache
@@ -66,7 +56,7 @@ def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor,
     operands = (wkq, qk, v, beta, decay, k)
     if (pool.device.type != "cpu" or pool.dtype != torch.float32 or torch.is_grad_enabled()
             or not pool[0].is_contiguous() or pool.stride(0) < num_heads * k_dim * v_dim
-            or any(x.dtype != torch.float32 for x in operands) or not _enabled
+            or any(x.dtype != torch.float32 for x in operands) or not enabled()
             or native_library() is None):
         return None
     wkq, qk, v, beta, decay, k = (x.contiguous() for x in operands)
@@ -89,7 +79,7 @@ def _conv_runs(x: torch.Tensor, columns: torch.Tensor, states: torch.Tensor) -> 
             and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
             and x.dim() == 2 and x.stride(1) == 1 and columns.dtype == torch.float32
             and columns.is_contiguous() and tuple(columns.shape) == (width + 1, channels)
-            and _enabled and native_library() is not None)
+            and enabled() and native_library() is not None)
 
 
 def conv_in_place(x: torch.Tensor, columns: torch.Tensor, pool: torch.Tensor, slots: list[int]

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kernels import cpu_decode
+from kernels import native_build
 from model_runner.batch import SeqInput
 from model_runner.config import DEFAULT_MODEL
 from model_runner.cpu_features import cpu_has_native_bf16
@@ -114,7 +114,7 @@ def main() -> None:
               flush=True)
 
     short = prompt[: args.decode_context]
-    cpu_decode.set_enabled(args.native_kernels != "off")
+    native_build.set_enabled(args.native_kernels != "off")
     for batch in args.decode_batch:
         seqs = [SeqInput(short, 0, tables[i], i + 1) for i in range(batch)]
         runner.forward(seqs)
@@ -122,7 +122,7 @@ def main() -> None:
         for i in range(num_steps):
             native = args.native_kernels == "on" or (args.native_kernels == "alternate"
                                                      and i % 2 == 1)
-            cpu_decode.set_enabled(native)
+            native_build.set_enabled(native)
             for s in seqs:
                 s.prefix_len += len(s.token_ids)
                 s.token_ids = [7]
@@ -135,7 +135,7 @@ def main() -> None:
                  for native, ts in steps.items() if ts}
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
                context=args.decode_context, decode_path=decode_path, **timed)
-    cpu_decode.set_enabled(args.native_kernels != "off")
+    native_build.set_enabled(args.native_kernels != "off")
     for chunk in args.mixed_chunks:
         # B sequences decode at their contexts; another (its own slot) prefills `chunk` tokens
         decodes = [SeqInput([7], len(short) + num_steps, tables[i], i + 1)

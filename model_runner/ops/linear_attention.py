@@ -1,8 +1,10 @@
 """One interface for the delta-rule recurrence, chosen by device at run time.
 
-CPU: ``varlen_chunk_delta_rule`` for prefill, all sequences in one pass, and ``decode_step`` for
-decode and for the one-token sequences of a mixed step (torch).  ``recurrence_in_pool`` runs a
-step's sequences straight from and into a state pool (CPU inference).
+CPU: the chunked form for prefill, all sequences in one pass (GDN: the C kernel
+``kernels/delta_rule/cpu_chunk``; KDA, or without a C compiler: ``varlen_chunk_delta_rule``), and
+``decode_step`` for decode and for the one-token sequences of a mixed step (torch).
+``recurrence_in_pool`` runs a step's sequences straight from and into a state pool (CPU
+inference).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
 lazily, so this module imports on machines without a GPU driver.
 
@@ -26,8 +28,13 @@ from functools import lru_cache
 
 import torch
 
+from kernels.delta_rule.cpu_chunk import chunk_in_pool
 from model_runner.ops.delta_rule import default_chunk_size, varlen_chunk_delta_rule
 from model_runner.ops.delta_rule_decode import decode_into, decode_step
+
+# Tokens per chunk of the C kernel (GDN): at Qwen3.5-0.8B's GDN shape (16 heads of 128 x 128),
+# 1,024 tokens, one core: 19.6 ms a layer at 16, 21.6 at 32, 22.7 at 64.
+NATIVE_CHUNK = 16
 
 
 def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float,
@@ -42,32 +49,47 @@ def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: f
 
 def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
     """Every sequence in one pass: one-token sequences (decodes in a mixed step) by the decode
-    update, batched; the rest by ``varlen_chunk_delta_rule``, batched."""
-    chunk = default_chunk_size(g.dim() == 3)
+    update, batched; the rest chunked (``_chunked``), batched."""
     split = _split(tuple(cu_seqlens), q.device)
     if split is None:  # no one-token sequence
-        return varlen_chunk_delta_rule(q, k, v, g, beta, states, cu_seqlens, scale, chunk)
+        return _chunked(q, k, v, g, beta, states, cu_seqlens, scale)
     (ones, one_rows), (longer, longer_rows, longer_cu) = split
     o = v.new_empty(v.shape, dtype=torch.float32)
     finals = torch.empty_like(states, dtype=torch.float32)
     o[one_rows], finals[ones] = decode_step(*(x[one_rows] for x in (q, k, v, g, beta)),
                                             states.index_select(0, ones).float(), scale)
     if len(longer):
-        o[longer_rows], finals[longer] = varlen_chunk_delta_rule(
+        o[longer_rows], finals[longer] = _chunked(
             *(x[longer_rows] for x in (q, k, v, g, beta)), states.index_select(0, longer),
-            longer_cu, scale, chunk)
+            longer_cu, scale)
     return o, finals
+
+
+def _chunked(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
+    """(o, final states) of sequences of any lengths: the C kernel where it runs (GDN, no
+    autograd), else ``varlen_chunk_delta_rule``."""
+    finals = states.to(torch.float32, copy=True)
+    o = chunk_in_pool(q, k, v, g, beta, finals, list(range(len(finals))), cu_seqlens, scale,
+                      NATIVE_CHUNK)
+    if o is not None:
+        return o, finals
+    return varlen_chunk_delta_rule(q, k, v, g, beta, states, cu_seqlens, scale,
+                                   default_chunk_size(g.dim() == 3))
 
 
 def recurrence_in_pool(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor,
                        cu_seqlens: list[int], scale: float) -> torch.Tensor:
     """CPU, without autograd: the sequences of ``cu_seqlens`` from and into ``pool[slots]``
     (FP32); returns o [N, Hv, V] FP32.  One-token sequences update their slots in place
-    (``decode_into``: no gather, no write-back); longer ones are gathered, run as
-    ``_cpu_prefill`` runs them and written back.  The same bits as ``_cpu_prefill`` on the
-    gathered states."""
+    (``decode_into``: no gather, no write-back), and so do longer GDN ones (the C kernel);
+    others are gathered, run as ``_cpu_prefill`` runs them and written back.  The same bits
+    as ``_cpu_prefill`` on the gathered states."""
     split = _split(tuple(cu_seqlens), q.device)
     if split is None:  # no one-token sequence
+        o = chunk_in_pool(q, k, v, g, beta, pool, slots.tolist(), cu_seqlens, scale,
+                          NATIVE_CHUNK)
+        if o is not None:
+            return o
         o, finals = varlen_chunk_delta_rule(q, k, v, g, beta, pool.index_select(0, slots),
                                             cu_seqlens, scale, default_chunk_size(g.dim() == 3))
         pool.index_copy_(0, slots, finals)

@@ -1,0 +1,260 @@
+/* CPU prefill of the gated delta rule with one log-decay per head (GDN), chunk by chunk, each
+ * (sequence, head) state advanced in place in its slot.
+ *
+ * Per chunk of L <= C tokens with the state S [K, V] entering it (FP32, row-major), per-token
+ * decay a_t = exp(g_t), and within the chunk the decay products
+ *
+ *     D[i][j] = a_{j+1} ... a_i  (j <= i),   E_i = a_0 ... a_i   (chained products),
+ *
+ * the WY form of model_runner/ops/delta_rule.py's ``chunk_delta_rule`` is evaluated without
+ * forming the triangular inverse:
+ *
+ *     P = K S, Q = Q_rows S                           (the entering state read once per chunk)
+ *     rhs_i = (v_i - E_i P_i) beta_i
+ *     n_i = rhs_i - sum_{j<i} beta_i D[i][j] (k_i . k_j) n_j      (forward substitution)
+ *     o_i = scale E_i Q_i + sum_{j<=i} scale D[i][j] (q_i . k_j) n_j
+ *     S <- S E_{L-1} + sum_i (D[L-1][i] k_i)^T n_i
+ *
+ * n is the chunk's v_new (u - w S in the torch form).  Every sum is one fused multiply-add
+ * chain in index order, the same in the AVX-512 and the portable forms, so the two give the
+ * same bits (tests/test_cpu_chunk_native.py); against the torch form (explicit inverse, decay
+ * products as exp of cumulative-sum differences) they differ in rounding only.  A chunk's
+ * operands stay in cache; the state is read twice and written once per chunk.
+ *
+ * Work is split over (sequence, head) pairs, in parallel where built with OpenMP.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#endif
+
+/* out[M, N] = (accumulate ? out * alpha : 0) + A[M, Kd] B[Kd, N]; rows of A, B and out at
+ * strides lda, ldb, ldo; each element one fma chain over k in order. */
+static void gemm_portable(int64_t M, int64_t N, int64_t Kd, const float *A, int64_t lda,
+                          const float *B, int64_t ldb, float *out, int64_t ldo, int accumulate,
+                          float alpha) {
+    for (int64_t i = 0; i < M; ++i) {
+        float *row = out + i * ldo;
+        for (int64_t j = 0; j < N; ++j)
+            row[j] = accumulate ? row[j] * alpha : 0.0f;
+        for (int64_t k = 0; k < Kd; ++k) {
+            const float a = A[i * lda + k], *b = B + k * ldb;
+            for (int64_t j = 0; j < N; ++j)
+                row[j] = fmaf(a, b[j], row[j]);
+        }
+    }
+}
+
+/* y[0..n) = fma chain over j < m of coef[j] * X[j][0..n) (rows of X at stride ldx), from y. */
+static void combine_portable(int64_t n, int64_t m, const float *coef, const float *X,
+                             int64_t ldx, float *y) {
+    for (int64_t j = 0; j < m; ++j)
+        for (int64_t c = 0; c < n; ++c)
+            y[c] = fmaf(coef[j], X[j * ldx + c], y[c]);
+}
+
+#ifdef HAVE_X86
+/* ROWS rows x NV 16-float columns of out, accumulators in registers. */
+#define GEMM_BLOCK(ROWS, NV)                                                                  \
+    do {                                                                                      \
+        __m512 acc[ROWS][NV];                                                                 \
+        for (int r = 0; r < ROWS; ++r)                                                        \
+            for (int t = 0; t < NV; ++t)                                                      \
+                acc[r][t] = accumulate ? _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + 16 * t), \
+                                                       va)                                    \
+                                       : _mm512_setzero_ps();                                 \
+        for (int64_t k = 0; k < Kd; ++k) {                                                    \
+            __m512 b[NV];                                                                     \
+            for (int t = 0; t < NV; ++t)                                                      \
+                b[t] = _mm512_loadu_ps(B + k * ldb + j0 + 16 * t);                            \
+            for (int r = 0; r < ROWS; ++r) {                                                  \
+                const __m512 a = _mm512_set1_ps(A[(i + r) * lda + k]);                        \
+                for (int t = 0; t < NV; ++t)                                                  \
+                    acc[r][t] = _mm512_fmadd_ps(a, b[t], acc[r][t]);                          \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < ROWS; ++r)                                                        \
+            for (int t = 0; t < NV; ++t)                                                      \
+                _mm512_storeu_ps(o + r * ldo + 16 * t, acc[r][t]);                            \
+    } while (0)
+
+/* gemm_portable's result for N % 16 == 0. */
+__attribute__((target("avx512f,fma")))
+static void gemm_avx512(int64_t M, int64_t N, int64_t Kd, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, float *out, int64_t ldo, int accumulate,
+                        float alpha) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int64_t j0 = 0; j0 < N; j0 += 64) {
+        const int64_t nv = N - j0 >= 64 ? 4 : (N - j0) / 16;
+        for (int64_t i = 0; i < M;) {
+            float *o = out + i * ldo + j0;
+            const int four = M - i >= 4;
+            switch (nv * 2 + four) {
+            case 9: GEMM_BLOCK(4, 4); break;
+            case 8: GEMM_BLOCK(1, 4); break;
+            case 7: GEMM_BLOCK(4, 3); break;
+            case 6: GEMM_BLOCK(1, 3); break;
+            case 5: GEMM_BLOCK(4, 2); break;
+            case 4: GEMM_BLOCK(1, 2); break;
+            case 3: GEMM_BLOCK(4, 1); break;
+            default: GEMM_BLOCK(1, 1); break;
+            }
+            i += four ? 4 : 1;
+        }
+    }
+}
+
+/* combine_portable's result for n % 16 == 0, y held in registers 64 floats at a time. */
+__attribute__((target("avx512f,fma")))
+static void combine_avx512(int64_t n, int64_t m, const float *coef, const float *X,
+                           int64_t ldx, float *y) {
+    for (int64_t c0 = 0; c0 < n; c0 += 64) {
+        const int64_t nv = n - c0 >= 64 ? 4 : (n - c0) / 16;
+        __m512 acc[4];
+        for (int t = 0; t < nv; ++t)
+            acc[t] = _mm512_loadu_ps(y + c0 + 16 * t);
+        for (int64_t j = 0; j < m; ++j) {
+            const __m512 a = _mm512_set1_ps(coef[j]);
+            for (int t = 0; t < nv; ++t)
+                acc[t] = _mm512_fmadd_ps(a, _mm512_loadu_ps(X + j * ldx + c0 + 16 * t), acc[t]);
+        }
+        for (int t = 0; t < nv; ++t)
+            _mm512_storeu_ps(y + c0 + 16 * t, acc[t]);
+    }
+}
+#endif
+
+typedef struct {
+    int simd;
+} Ops;
+
+static void gemm(const Ops *ops, int64_t M, int64_t N, int64_t Kd, const float *A, int64_t lda,
+                 const float *B, int64_t ldb, float *out, int64_t ldo, int accumulate,
+                 float alpha) {
+#ifdef HAVE_X86
+    if (ops->simd && N % 16 == 0) {
+        gemm_avx512(M, N, Kd, A, lda, B, ldb, out, ldo, accumulate, alpha);
+        return;
+    }
+#endif
+    gemm_portable(M, N, Kd, A, lda, B, ldb, out, ldo, accumulate, alpha);
+}
+
+static void combine(const Ops *ops, int64_t n, int64_t m, const float *coef, const float *X,
+                    int64_t ldx, float *y) {
+#ifdef HAVE_X86
+    if (ops->simd && n % 16 == 0) {
+        combine_avx512(n, m, coef, X, ldx, y);
+        return;
+    }
+#endif
+    combine_portable(n, m, coef, X, ldx, y);
+}
+
+/* Scratch floats one worker needs for chunk size C (padded to Cp columns), K, V. */
+static int64_t scratch_floats(int64_t C, int64_t Cp, int64_t K, int64_t V) {
+    return 2 * K * Cp + 2 * C * Cp + 3 * C * V + 3 * C * C + 2 * C;
+}
+
+/* One (sequence, head): tokens [t0, t1), state S advanced in place, o rows written. */
+static void run_head(const Ops *ops, const float *q, const float *k, int64_t qk_stride,
+                     const float *v, const float *g, const float *beta, int64_t H, int64_t h,
+                     int64_t K, int64_t V, float scale, int64_t C, int64_t t0, int64_t t1,
+                     float *S, float *o, float *work) {
+    const int64_t Cp = (C + 15) / 16 * 16;
+    float *kt = work, *kts = kt + K * Cp, *kk = kts + K * Cp, *qk = kk + C * Cp;
+    float *P = qk + C * Cp, *Qs = P + C * V, *n = Qs + C * V;
+    float *D = n + C * V, *coef = D + C * C, *wq = coef + C * C, *E = wq + C * C, *a = E + C;
+    for (int64_t c0 = t0; c0 < t1; c0 += C) {
+        const int64_t L = t1 - c0 < C ? t1 - c0 : C;
+        const float *kr = k + c0 * qk_stride, *qr = q + c0 * qk_stride;
+        /* the chunk's keys transposed, zero beyond L: kt [K, Cp] */
+        memset(kt, 0, (size_t)(K * Cp) * sizeof(float));
+        for (int64_t i = 0; i < L; ++i)
+            for (int64_t r = 0; r < K; ++r)
+                kt[r * Cp + i] = kr[i * qk_stride + r];
+        gemm(ops, L, Cp, K, kr, qk_stride, kt, Cp, kk, Cp, 0, 0.0f); /* k_i . k_j */
+        gemm(ops, L, Cp, K, qr, qk_stride, kt, Cp, qk, Cp, 0, 0.0f); /* q_i . k_j */
+        gemm(ops, L, V, K, kr, qk_stride, S, V, P, V, 0, 0.0f);
+        gemm(ops, L, V, K, qr, qk_stride, S, V, Qs, V, 0, 0.0f);
+        for (int64_t i = 0; i < L; ++i)
+            a[i] = expf(g[(c0 + i) * H + h]);
+        for (int64_t i = 0; i < L; ++i) {
+            E[i] = i ? E[i - 1] * a[i] : a[i];
+            D[i * C + i] = 1.0f;
+            for (int64_t j = 0; j < i; ++j)
+                D[i * C + j] = D[(i - 1) * C + j] * a[i];
+        }
+        for (int64_t i = 0; i < L; ++i) {
+            const float b = beta[(c0 + i) * H + h];
+            const float *vi = v + (c0 + i) * H * V, *pi = P + i * V;
+            float *ni = n + i * V;
+            for (int64_t c = 0; c < V; ++c)
+                ni[c] = (vi[c] - pi[c] * E[i]) * b;
+            for (int64_t j = 0; j < i; ++j)
+                coef[i * C + j] = -(b * D[i * C + j] * kk[i * Cp + j]);
+            for (int64_t j = 0; j <= i; ++j)
+                wq[i * C + j] = scale * D[i * C + j] * qk[i * Cp + j];
+        }
+        for (int64_t i = 1; i < L; ++i)
+            combine(ops, V, i, coef + i * C, n, V, n + i * V);
+        for (int64_t i = 0; i < L; ++i) {
+            float *oi = o + (c0 + i) * H * V;
+            const float e = scale * E[i], *qi = Qs + i * V;
+            for (int64_t c = 0; c < V; ++c)
+                oi[c] = qi[c] * e;
+            combine(ops, V, i + 1, wq + i * C, n, V, oi);
+        }
+        /* S <- S E_{L-1} + (D[L-1][i] k_i)^T n */
+        for (int64_t r = 0; r < K; ++r)
+            for (int64_t i = 0; i < L; ++i)
+                kts[r * Cp + i] = kt[r * Cp + i] * D[(L - 1) * C + i];
+        gemm(ops, K, V, L, kts, Cp, n, V, S, V, 1, E[L - 1]);
+    }
+}
+
+/* Sequences b < B with tokens [cu[b], cu[b + 1]) of q, k [N, Hk, K], v [N, H, V], g, beta
+ * [N, H] (FP32, contiguous); head h of sequence b reads and updates the state
+ * pool + slots[b] * slot_stride + h * K * V ([K, V] FP32) and writes o [N, H, V].  H is a
+ * multiple of Hk (value head h reads key head h / (H / Hk)).  simd = 0 forces the portable
+ * loops (tests); threads: OpenMP workers where built with it.  Returns 0, or -1 when its
+ * scratch could not be allocated (then nothing is written). */
+int dasc_gdn_chunk(const float *q, const float *k, const float *v, const float *g,
+                   const float *beta, float *pool, int64_t slot_stride, const int64_t *slots,
+                   const int64_t *cu, int64_t B, int64_t Hk, int64_t H, int64_t K, int64_t V,
+                   float scale, int64_t C, float *o, int64_t threads, int64_t simd) {
+    Ops ops = {0};
+#ifdef HAVE_X86
+    ops.simd = simd && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+#else
+    (void)simd;
+#endif
+    const int64_t Cp = (C + 15) / 16 * 16, ratio = H / Hk, workers = threads > 0 ? threads : 1;
+    const int64_t per_worker = scratch_floats(C, Cp, K, V);
+    float *scratch = malloc((size_t)(workers * per_worker) * sizeof(float));
+    if (!scratch)
+        return -1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)workers) schedule(dynamic)
+#endif
+    for (int64_t item = 0; item < B * H; ++item) {
+#ifdef _OPENMP
+        float *work = scratch + omp_get_thread_num() * per_worker;
+#else
+        float *work = scratch;
+#endif
+        const int64_t b = item / H, h = item % H, hk = h / ratio;
+        run_head(&ops, q + hk * K, k + hk * K, Hk * K, v + h * V, g, beta, H, h, K, V, scale, C,
+                 cu[b], cu[b + 1], pool + slots[b] * slot_stride + h * K * V, o + h * V, work);
+    }
+    free(scratch);
+    return 0;
+}

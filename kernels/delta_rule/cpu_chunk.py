@@ -1,0 +1,62 @@
+"""CPU prefill of the gated delta rule with one log-decay per head (GDN) in C
+(``cpu_chunk.c`` beside this file): chunk by chunk, each state advanced in place in its pool
+slot, so a step's states are neither gathered nor written back.
+
+The torch form and reference is ``model_runner/ops/delta_rule.py``'s ``chunk_delta_rule``; the
+two agree to FP32 rounding (tests/test_cpu_chunk_native.py: ~1e-6 of the outputs' scale over
+hundreds of tokens).  ``chunk_in_pool`` returns None where the kernel does not run (no C
+compiler, ``DASC_NATIVE_KERNELS=0``, a per-channel decay, tensors not FP32 on the CPU,
+autograd), and the caller takes the torch form.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kernels.native_build import F32, I64, PTR, enabled, load_library
+
+SOURCE = Path(__file__).with_name("cpu_chunk.c")
+_SIGNATURES = {"dasc_gdn_chunk": (PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64,
+                                  I64, I64, F32, I64, PTR, I64, I64)}
+
+
+@cache
+def native_library() -> ctypes.CDLL | None:
+    return load_library(SOURCE, "cpu_chunk", _SIGNATURES, "the CPU chunked delta rule",
+                        flags=("-fopenmp",), returns={"dasc_gdn_chunk": ctypes.c_int})
+
+
+def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, pool: torch.Tensor, slots: list[int],
+                  cu_seqlens: list[int], scale: float, chunk_size: int, simd: bool = True
+                  ) -> torch.Tensor | None:
+    """Sequence i (rows [cu_seqlens[i], cu_seqlens[i + 1]) of q, k [N, Hk, K], v [N, H, V],
+    g, beta [N, H]) runs from and into ``pool[slots[i]]`` ([S, H, K, V] FP32).  Returns
+    o [N, H, V] FP32, or None where the kernel does not run.  ``simd=False`` takes the portable
+    loops (tests)."""
+    num_heads, k_dim, v_dim = pool.shape[1:]
+    operands = (q, k, v, g, beta)
+    if (pool.device.type != "cpu" or pool.dtype != torch.float32 or g.dim() != 2
+            or torch.is_grad_enabled() or not pool[0].is_contiguous()
+            or pool.stride(0) < num_heads * k_dim * v_dim
+            or any(x.dtype != torch.float32 or x.device.type != "cpu" for x in operands)
+            or not enabled() or native_library() is None):
+        return None
+    if slots and (min(slots) < 0 or max(slots) >= pool.shape[0]):  # the C code trusts them
+        raise IndexError(f"state slots {slots} outside [0, {pool.shape[0]})")
+    q, k, v, g, beta = (x.contiguous() for x in operands)
+    index = torch.tensor(slots, dtype=torch.long)
+    cu = torch.tensor(cu_seqlens, dtype=torch.long)
+    o = torch.empty(v.shape, dtype=torch.float32)
+    status = native_library().dasc_gdn_chunk(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+        pool.data_ptr(), pool.stride(0), index.data_ptr(), cu.data_ptr(), len(slots),
+        q.shape[1], num_heads, k_dim, v_dim, scale, chunk_size, o.data_ptr(),
+        torch.get_num_threads(), int(simd))
+    if status != 0:
+        raise MemoryError("the CPU chunked delta rule could not allocate its scratch")
+    return o
