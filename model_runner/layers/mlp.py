@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_fused import silu_mul
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import (
     ColumnParallelLinear,
@@ -116,8 +117,12 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:
         """``is_static`` is accepted for symmetry with ``SparseMoE`` (this path is always
         graph-safe)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = silu_mul(gate_up)  # one pass in C on a CPU
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class SparseMoE(nn.Module):

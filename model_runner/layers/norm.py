@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_fused import gated_rmsnorm
 from model_runner.layers.linear import attach_loader, new_param
+from model_runner.ops.derived import derived
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,3 +51,14 @@ class GatedRMSNorm(nn.Module):
             return (y * F.silu(z.float())).to(dtype)
         y = self.weight.float() * _normalize(x, self.eps)
         return (y * torch.sigmoid(z.float())).to(dtype)
+
+    def from_fp32(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``forward`` of o [N, H, dim] FP32 rounded to z's dtype, z [N, H * dim]: in one pass
+        of ``kernels/cpu_fused`` on a CPU (silu gate), else in torch."""
+        if self.gate == "silu":
+            weight = derived(self.weight, "_fp32", lambda w: w.float().contiguous())
+            out = gated_rmsnorm(o, z, weight, self.eps)
+            if out is not None:
+                return out
+        dim = o.shape[-1]
+        return self(o.to(z.dtype).reshape(-1, dim), z.reshape(-1, dim))

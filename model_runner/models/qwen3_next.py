@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_fused import l2norm_qkv
 from model_runner.config import ModelConfig
 from model_runner.layers.attention import PartialRotary, paged_attention, store_kv
 from model_runner.layers.linear import (
@@ -86,14 +87,17 @@ class GatedDeltaNet(nn.Module):
         mixed, z = self.in_proj_qkvz(x).split([2 * hk * dk + hv * dv, hv * dv], dim=-1)
         b, a = self.in_proj_ba(x).split([hv, hv], dim=-1)
         mixed = short_conv(mixed, self.conv1d.weight, ctx, self.linear_index)
-        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        qkv = l2norm_qkv(mixed, hk, dk)  # one pass in C on a CPU
+        if qkv is None:
+            q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+            qkv = (l2norm_rsqrt(q.reshape(n, hk, dk).float()),
+                   l2norm_rsqrt(k.reshape(n, hk, dk).float()), v.float())
+        q, k, v = qkv
         beta = b.sigmoid() if self.beta_scale == 1.0 else b.sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        q = l2norm_rsqrt(q.reshape(n, hk, dk).float())
-        k = l2norm_rsqrt(k.reshape(n, hk, dk).float())
-        o = delta_rule(q, k, v.reshape(n, hv, dv).float(), g, beta.float(), ctx,
-                       self.linear_index, scale=dk**-0.5, operand_dtype=x.dtype)
-        o = self.norm(o.to(x.dtype).reshape(-1, dv), z.reshape(-1, dv))
+        o = delta_rule(q, k, v.reshape(n, hv, dv), g, beta.float(), ctx, self.linear_index,
+                       scale=dk**-0.5, operand_dtype=x.dtype)
+        o = self.norm.from_fp32(o.reshape(n, hv, dv), z)
         return self.out_proj(o.reshape(n, hv * dv))
 
 

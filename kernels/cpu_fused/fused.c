@@ -1,0 +1,308 @@
+/* One pass over a GDN layer's activations where torch takes five to seven (CPU inference).
+ *
+ * dasc_gated_rmsnorm: Qwen3-Next's and Qwen3.5's gated output norm
+ * (model_runner/layers/norm.py's GatedRMSNorm, silu gate) of rows of D FP32 values,
+ *
+ *     x = round(o);  y = round(w * round(x * rsqrt(mean(x^2) + eps)));  out = round(y * silu(z))
+ *
+ * where round() is the model dtype's rounding (bf16: to nearest even; FP32: none), exactly the
+ * roundings torch makes.  The mean and the exponential in silu(z) = z / (1 + exp(-z)) run in
+ * another order and polynomial than torch's, so results may differ from torch's in the last
+ * bit of the model dtype (tests/test_cpu_fused_native.py bounds it).
+ *
+ * dasc_l2norm_rows: q and k of a GDN layer, x * rsqrt(sum(x^2) + eps) per head row of D, read
+ * from the conv's output (bf16 or FP32, any row stride) into FP32 rows; v converted likewise.
+ *
+ * Both have an AVX-512 form (D % 16 == 0) and a portable one that give the same bits.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#endif
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0; /* NaN, as torch writes it */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float round_to(float f, int bf16) { return bf16 ? bf16_value(round_bf16(f)) : f; }
+
+static inline float load_elem(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* exp by Cody-Waite reduction and a degree-5 polynomial (Cephes' expf; ~1 ulp), the same
+ * operations as exp16 below. */
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -88.3762626647949f
+static const float P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp1(float x) {
+    x = fminf(fmaxf(x, EXP_LO), EXP_HI);
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = P[0];
+    for (int i = 1; i < 6; ++i)
+        p = fmaf(p, r, P[i]);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    return ldexpf(y, (int)n);
+}
+
+static inline float silu1(float z) { return z / (1.0f + exp1(-z)); }
+
+/* Sums of squares in the lane order both forms use: lane l accumulates elements l, l + 16, ...
+ * by one fma chain, then the 16 lanes add pairwise (l and l + 8, then + 4, + 2, + 1). */
+static float sum_squares_portable(const float *x, int64_t D) {
+    if (D % 16) {
+        float sum = 0.0f;
+        for (int64_t c = 0; c < D; ++c)
+            sum = fmaf(x[c], x[c], sum);
+        return sum;
+    }
+    float lane[16] = {0};
+    for (int64_t c = 0; c < D; c += 16)
+        for (int l = 0; l < 16; ++l)
+            lane[l] = fmaf(x[c + l], x[c + l], lane[l]);
+    for (int half = 8; half; half /= 2)
+        for (int l = 0; l < half; ++l)
+            lane[l] = lane[l] + lane[l + half];
+    return lane[0];
+}
+
+static void gated_row_portable(const float *o, const void *z, const float *w, int64_t D,
+                               float eps, int bf16, void *out) {
+    float x[D > 0 ? D : 1];
+    for (int64_t c = 0; c < D; ++c)
+        x[c] = round_to(o[c], bf16);
+    const float r = 1.0f / sqrtf(sum_squares_portable(x, D) / (float)D + eps);
+    for (int64_t c = 0; c < D; ++c) {
+        const float y = round_to(w[c] * round_to(x[c] * r, bf16), bf16);
+        const float v = round_to(y * silu1(load_elem(z, c, bf16)), bf16);
+        if (bf16)
+            ((uint16_t *)out)[c] = round_bf16(v);
+        else
+            ((float *)out)[c] = v;
+    }
+}
+
+static void l2_row_portable(const void *x, int64_t D, float eps, int bf16, float *out) {
+    for (int64_t c = 0; c < D; ++c)
+        out[c] = load_elem(x, c, bf16);
+    const float r = 1.0f / sqrtf(sum_squares_portable(out, D) + eps);
+    for (int64_t c = 0; c < D; ++c)
+        out[c] = out[c] * r;
+}
+
+#ifdef HAVE_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,fma")))
+
+AVX512 static inline __m512 load16(const void *p, int64_t i, int bf16) {
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AVX512 static inline __m512 round16(__m512 f, int bf16) {
+    if (!bf16)
+        return f;
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+AVX512 static inline void store16(void *p, int64_t i, __m512 f, int bf16) {
+    if (!bf16) {
+        _mm512_storeu_ps((float *)p + i, f);
+        return;
+    }
+    const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round16(f, 1)), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(r));
+}
+
+AVX512 static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(P[0]);
+    for (int i = 1; i < 6; ++i)
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P[i]));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
+#ifdef HAVE_X86
+AVX512 static inline float hsum16(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));
+    return _mm_cvtss_f32(b);
+}
+
+AVX512 static void gated_row_avx512(const float *o, const void *z, const float *w, int64_t D,
+                                    float eps, int bf16, void *out, float *x) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512 v = round16(_mm512_loadu_ps(o + c), bf16);
+        _mm512_storeu_ps(x + c, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(hsum16(acc) / (float)D + eps));
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512 n = round16(_mm512_mul_ps(_mm512_loadu_ps(x + c), r), bf16);
+        const __m512 y = round16(_mm512_mul_ps(_mm512_loadu_ps(w + c), n), bf16);
+        const __m512 zc = load16(z, c, bf16);
+        const __m512 s = _mm512_div_ps(zc, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                          exp16(_mm512_sub_ps(_mm512_setzero_ps(), zc))));
+        store16(out, c, round16(_mm512_mul_ps(y, s), bf16), bf16);
+    }
+}
+
+AVX512 static void l2_row_avx512(const void *x, int64_t D, float eps, int bf16, float *out) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512 v = load16(x, c, bf16);
+        _mm512_storeu_ps(out + c, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(hsum16(acc) + eps));
+    for (int64_t c = 0; c < D; c += 16)
+        _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(out + c), r));
+}
+
+static int simd_ok(int64_t D, int64_t simd) {
+    return simd && D % 16 == 0 && __builtin_cpu_supports("avx512f")
+           && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma");
+}
+#endif
+
+/* token t < N, head h < H: out[t, h] (bf16 or FP32, [N, H, D] contiguous) = the gated norm of
+ * o[t, h] (FP32, [N, H, D] contiguous) by w [D] (FP32: the weight's own values) and z[t, h]
+ * (as out, at z + t * z_stride + h * D). */
+void dasc_gated_rmsnorm(const float *o, const void *z, int64_t z_stride, const float *w,
+                        int64_t N, int64_t H, int64_t D, float eps, int64_t bf16, void *out,
+                        int64_t simd) {
+    const int64_t elem = bf16 ? 2 : 4;
+#ifdef HAVE_X86
+    const int fast = simd_ok(D, simd);
+    float x[D > 0 ? D : 1];
+#else
+    (void)simd;
+#endif
+    for (int64_t t = 0; t < N; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t row = t * H + h;
+            const float *orow = o + row * D;
+            const void *zr = (const char *)z + (t * z_stride + h * D) * elem;
+            void *outr = (char *)out + row * D * elem;
+#ifdef HAVE_X86
+            if (fast) {
+                gated_row_avx512(orow, zr, w, D, eps, (int)bf16, outr, x);
+                continue;
+            }
+#endif
+            gated_row_portable(orow, zr, w, D, eps, (int)bf16, outr);
+        }
+}
+
+/* token t < N of x (bf16 or FP32, rows at x_stride): q (its first Hk * D values) and k (the
+ * next Hk * D) L2-normalised per head of D into q_out and k_out [N, Hk, D] FP32, v (the E
+ * values after them) converted into v_out [N, E] FP32. */
+void dasc_l2norm_qkv(const void *x, int64_t x_stride, int64_t N, int64_t Hk, int64_t D,
+                     float eps, int64_t E, int64_t bf16, float *q_out, float *k_out,
+                     float *v_out, int64_t simd) {
+    const int64_t elem = bf16 ? 2 : 4;
+#ifdef HAVE_X86
+    const int fast = simd_ok(D, simd);
+#else
+    (void)simd;
+#endif
+    for (int64_t t = 0; t < N; ++t) {
+        const char *row = (const char *)x + t * x_stride * elem;
+        for (int64_t h = 0; h < 2 * Hk; ++h) {
+            const void *xh = row + h * D * elem;
+            float *oh = (h < Hk ? q_out + (t * Hk + h) * D : k_out + (t * Hk + h - Hk) * D);
+#ifdef HAVE_X86
+            if (fast) {
+                l2_row_avx512(xh, D, eps, (int)bf16, oh);
+                continue;
+            }
+#endif
+            l2_row_portable(xh, D, eps, (int)bf16, oh);
+        }
+        const char *rest = row + 2 * Hk * D * elem;
+        float *vo = v_out + t * E;
+        if (bf16)
+            for (int64_t c = 0; c < E; ++c)
+                vo[c] = bf16_value(((const uint16_t *)rest)[c]);
+        else
+            memcpy(vo, rest, (size_t)E * sizeof(float));
+    }
+}
+
+#ifdef HAVE_X86
+AVX512 static void silu_mul_row_avx512(const void *gate, const void *up, int64_t D, int bf16,
+                                       void *out) {
+    for (int64_t c = 0; c < D; c += 16) {
+        const __m512 g = load16(gate, c, bf16);
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                         exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store16(out, c, round16(_mm512_mul_ps(round16(s, bf16), load16(up, c, bf16)), bf16), bf16);
+    }
+}
+#endif
+
+/* rows r < R of x (bf16 or FP32, [gate (D) | up (D)] at x_stride):
+ * out[r] ([R, D], x's dtype) = round(round(silu(gate)) * up), the model dtype's roundings. */
+void dasc_silu_mul(const void *x, int64_t x_stride, int64_t R, int64_t D, int64_t bf16,
+                   void *out, int64_t simd) {
+    const int64_t elem = bf16 ? 2 : 4;
+#ifdef HAVE_X86
+    const int fast = simd_ok(D, simd);
+#else
+    (void)simd;
+#endif
+    for (int64_t r = 0; r < R; ++r) {
+        const char *gate = (const char *)x + r * x_stride * elem, *up = gate + D * elem;
+        char *o = (char *)out + r * D * elem;
+#ifdef HAVE_X86
+        if (fast) {
+            silu_mul_row_avx512(gate, up, D, (int)bf16, o);
+            continue;
+        }
+#endif
+        for (int64_t c = 0; c < D; ++c) {
+            const float s = round_to(silu1(load_elem(gate, c, (int)bf16)), (int)bf16);
+            const float v = round_to(s * load_elem(up, c, (int)bf16), (int)bf16);
+            if (bf16)
+                ((uint16_t *)o)[c] = round_bf16(v);
+            else
+                ((float *)o)[c] = v;
+        }
+    }
+}
