@@ -26,6 +26,15 @@ finish first by the ranks' measured step times (scheduler/step_costs.py).
 Checkpoint boundaries of a request (only where the tree has no checkpoint yet) follow
 ``--checkpoint-admission`` (scheduler/admission.py).
 
+Prefixes shared in flight: a waiting request that shares a prefix with a prefill in flight or
+ahead of it in the queue (at least ``MIN_BRANCH_GAIN`` tokens past its own hit) is a follower:
+it waits while that leader prefills up to the prefix they share, and the leader stores a
+checkpoint where their prompts part, so the follower then hits there and prefills only its own
+suffix.  Without it, requests that arrive together with one system prompt each prefilled the
+whole of it at the same time, sharing the compute, and none hit.  So a shared prefix is hit
+from its second sharer on when the sharers are in flight together (the third when the first
+has finished: its path is then in the tree, and the second stores the branch point).
+
 Prompt logprobs (echo): the cache holds states and KV, not logits, so a request that asks for
 them matches nothing and prefills its whole prompt; its boundaries still store checkpoints.
 """
@@ -35,7 +44,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import NamedTuple
 
-from scheduler.admission import store_points
+from scheduler.admission import MIN_BRANCH_GAIN, store_points
 from scheduler.policy import LPM_MAX_RANKED, count_passes
 from scheduler.radix_cache import Node
 from scheduler.rank_messages import BatchPlan, LogitControls, Sample, SeqStep
@@ -67,6 +76,8 @@ class StepPlanner:
         self.costs = StepCosts()  # the ranks' step times, for --decode-first cost
         self._prefill_tokens = 0  # prefill tokens of the step in flight
         self._remaining: dict[str, int] = {}  # this step's _remaining_prefill, by rid
+        self._followers: set[str] = set()  # this step's waiting followers, by rid
+        self._share_points: dict[str, set[int]] = {}  # a leader's points its followers need
 
     def schedule(self) -> BatchPlan | None:
         """The next step; None when there is nothing to run.  An admission that fails after
@@ -82,10 +93,12 @@ class StepPlanner:
         table = self.table
         plan = BatchPlan(self._next_step_id(), stores_before=table.stores_before)
         table.stores_before, self.inflight = [], []
-        alone = len(table.waiting) + sum(r.is_prefilling for r in table.running) == 1
+        self._remaining = {}
+        self._find_followers()
+        waiting = len(table.waiting) - len(self._followers)
+        alone = waiting + sum(r.is_prefilling for r in table.running) == 1
         self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1) if alone else 0
         budget = self.cfg.chunked_prefill_size
-        self._remaining = {}
         decoding = [r for r in table.running if not r.is_prefilling]
         for r in decoding:
             self._add_seq(plan, r, r.computed + 1)
@@ -145,7 +158,8 @@ class StepPlanner:
         remaining_of = self._remaining_prefill
         served, skipped, ckpt_locked = [], [], []
         longest, can_admit = 0, True
-        for r in policy.order(prefilling, table.waiting, remaining_of):
+        waiting = [r for r in table.waiting if r.rid not in self._followers]
+        for r in policy.order(prefilling, waiting, remaining_of):
             is_admitted = r.slot != 0
             if (budget <= 0 or (not is_admitted and not can_admit)
                     or (longest and policy.can_defer
@@ -168,6 +182,40 @@ class StepPlanner:
 
     def _can_hit(self, r: Req) -> bool:
         return self.cfg.prefix_cache and not r.sampling.prompt_logprobs
+
+    def _find_followers(self) -> None:
+        """This step's followers and their leaders' share points (the module docstring).
+        Leaders: the prefills in flight, then the waiting requests in arrival order that
+        follow nobody (the first ``LPM_MAX_RANKED`` of them, as the policy ranks).  A
+        follower waits for the deepest point it will hit: the share point where a checkpoint
+        there gains ``MIN_BRANCH_GAIN`` tokens over the leader's own store points and the
+        tree's checkpoints below it (never under ``--checkpoint-admission all``), else that
+        deepest one."""
+        self._followers, self._share_points = set(), {}
+        if not self.cfg.prefix_cache:
+            return
+        leaders = [r for r in self.table.running if r.is_prefilling]
+        for w in islice(self.table.waiting, LPM_MAX_RANKED):
+            if not self._can_hit(w):
+                leaders.append(w)
+                continue
+            hit = len(w.prompt) - self._remaining_prefill(w)
+            best, leader, share = hit + MIN_BRANCH_GAIN - 1, None, False
+            for r in leaders:
+                shared = _common_prefix(w.prompt, r.prompt, len(w.prompt) - 1)
+                below = max([hit, self.table.cache.match_len(r.prompt, shared),
+                             *(p for p in self._boundaries(r) if p <= shared)])
+                stores = (self.cfg.ckpt_admission != "all"
+                          and shared - below >= MIN_BRANCH_GAIN)
+                point = shared if stores else below
+                if point > max(best, r.computed):
+                    best, leader, share = point, r, stores
+            if leader is None:
+                leaders.append(w)
+                continue
+            self._followers.add(w.rid)
+            if share:
+                self._share_points.setdefault(leader.rid, set()).add(best)
 
     def _remaining_prefill(self, r: Req) -> int:
         """Prompt tokens left to compute; for a waiting request, after the hit it would get
@@ -233,8 +281,10 @@ class StepPlanner:
         if not self.cfg.prefix_cache:
             return []
         cfg = self.cfg
-        return store_points(r.prompt, cfg.checkpoint_interval, cfg.ckpt_admission,
-                            self.table.cache)
+        points = store_points(r.prompt, cfg.checkpoint_interval, cfg.ckpt_admission,
+                              self.table.cache)
+        shared = self._share_points.get(r.rid)
+        return sorted(shared.union(points)) if shared else points
 
     def _scratch_slot(self, r: Req) -> int:
         """The scratch slot paired with ``r``'s active slot: its replay's and its first cut's."""
@@ -299,3 +349,18 @@ class StepPlanner:
         plan.stores_after.append((source, ckpt))
         r.pending_stores.append((end, ckpt))
         return True
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of a's and b's common prefix, at most ``limit`` (slice comparisons: a
+    binary search of C-speed list compares, not a Python loop over tokens)."""
+    lo, hi = 0, min(len(a), len(b), limit)
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
