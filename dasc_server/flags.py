@@ -41,8 +41,9 @@ def values(kind: type[StrEnum]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dasc-serve", formatter_class=DefaultsHelpFormatter,
-        description="Serve a Qwen3-Next or Kimi-Linear checkpoint with an OpenAI-compatible API "
-                    "and a prefix cache of compressed (dasc) recurrent-state checkpoints.")
+        description="Serve a hybrid linear-attention checkpoint (Qwen3.5, Qwen3-Next, "
+                    "OLMo-Hybrid, Kimi-Linear) with an OpenAI-compatible API and a prefix "
+                    "cache of compressed (dasc) recurrent-state checkpoints.")
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="folder with config.json and *.safetensors (default: the built-in tiny "
                         "Kimi-Linear model, %(default)s)")

@@ -1,5 +1,5 @@
-"""Checkpoint and CPU decode kernels, one package per op, the torch reference beside every
-fast path (as fla).
+"""Checkpoint kernels and the CPU paths' C kernels, one package per op, the torch reference
+beside every fast path (as fla).
 
     ragged_state/  gather / scatter of state units between the active pool and checkpoint slots
         layout.py     UnitIndex, build_unit_index (where units live), argument checks
@@ -13,6 +13,11 @@ fast path (as fla).
     cpu_decode/    one-token updates in the state slots (CPU decode): the delta rule, one pass
         native.c      per state (AVX-512 for 128-wide values), and the short conv; the torch
                       forms in model_runner/ops/ are the references and fallbacks
+    delta_rule/    the gated delta rule's compiled forms
+        cpu_chunk.c   CPU prefill (GDN): chunk by chunk by forward substitution, each state
+                      in its slot; model_runner/ops/delta_rule.py is the torch form
+    cpu_fused/     activation passes in one pass each (CPU): the GDN gated output norm, q/k
+        fused.c       L2 norms with v's conversion, a dense MLP's silu(gate) * up
     native_build.py compiles and loads the C libraries on first use (ctypes)
     interpreted.py runs the Triton kernels on CPU under the Triton interpreter (tests)
 """

@@ -1,5 +1,6 @@
 """Compile-on-first-use C libraries for the CPU paths (``ragged_state/native.c``,
-``cpu_decode/native.c``), loaded through ctypes.
+``cpu_decode/native.c``, ``delta_rule/cpu_chunk.c``, ``cpu_fused/fused.c``), loaded through
+ctypes.
 
 A library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`; well under a second)
 into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory when that is

@@ -19,7 +19,8 @@ from model_runner.launch import is_first_rank, is_rank_process, relaunch
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m model_runner.generate",
-        description="Generate tokens from a Qwen3-Next or Kimi-Linear checkpoint (HF format) with "
+        description="Generate tokens from a hybrid checkpoint (HF format: Qwen3.5, Qwen3-Next, "
+                    "OLMo-Hybrid, Kimi-Linear) with "
                     "dasc's tensor-parallel runner. Prints the generated token ids (and text when "
                     "the model folder has a tokenizer).", formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL),

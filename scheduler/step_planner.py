@@ -8,16 +8,20 @@ the forward, so the first token is sampled in the step that stores.  The scratch
 paired with the request's active slot, shared with its dasc-wr replay (each linear layer writes
 snapshots after its merge read the replay), so one per request always exists.
 
-A prompt that prefills alone (nothing else prefilling or waiting) also runs through the store
-points inside it (``--checkpoint-interval``), each cut into a free checkpoint slot (one is kept
-for the chunk's end store) and a scratch slot (its own, then the ones paired with the other
-active slots: nobody else in the step uses one); the chunk ends at the first point without
-them.  When several prompts prefill, each chunk ends at its next point: they advance point by
-point, breadth first, and a full pool evicts for one store at a time, each after the previous
-one is in the tree.  Cutting through every point of several prompts (depth first, evicting for
-several stores in one step) cost the multi-turn eviction sim up to 15 points of hit rate under
-pressure (docs/results/serving.md, a chunk runs through the store points inside it).  A cut
-whose store finds no checkpoint slot is dropped before the step is sent.
+The step's first prefill in the policy's order (the only one when it prefills alone) runs
+through the store points inside it (``--checkpoint-interval``), each cut into a free
+checkpoint slot (one is kept for the chunk's end store) and a scratch slot (its own, then
+any other that no other sequence of the step uses, settled once the whole step is planned:
+another prefill's end-of-prompt snapshot and a dasc-wr replay take their own); the chunk ends
+at the first point without them.  Any other prefill's chunk ends at its next point, and a full
+pool evicts for one store at a time, each after the previous one is in the tree.  So under
+pressure (no free slot) prompts advance point by point, breadth first: cutting through every
+point of several prompts, evicting for several stores in one step, cost the multi-turn
+eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs through the
+store points inside it).  With free slots the first prompt finishes first instead of every
+prompt finishing late: two cold 1,400-token prompts at Qwen3.5-0.8B's shape had a mean TTFT of
+5.6 s point by point (docs/results/cpu-serving).  A cut whose store finds no checkpoint slot is
+dropped before the step is sent.
 
 While requests decode, a step's prefill may wait: ``--decode-interleave`` runs N decode-only steps
 between prefill steps, ``--decode-first cost`` defers prefill while the running decodes should
@@ -72,7 +76,8 @@ class StepPlanner:
         self.inflight: list[InFlight] = []
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
-        self._cut_room = 0  # this step's cuts inside a prompt: > 0 only for a lone prefill
+        self._cut_room = 0  # cuts inside a prompt left to this step: the first prefill's
+        self._first: int | None = None  # that prefill's index in the plan, when it cuts
         self.costs = StepCosts()  # the ranks' step times, for --decode-first cost
         self._prefill_tokens = 0  # prefill tokens of the step in flight
         self._remaining: dict[str, int] = {}  # this step's _remaining_prefill, by rid
@@ -95,9 +100,8 @@ class StepPlanner:
         table.stores_before, self.inflight = [], []
         self._remaining = {}
         self._find_followers()
-        waiting = len(table.waiting) - len(self._followers)
-        alone = waiting + sum(r.is_prefilling for r in table.running) == 1
-        self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1) if alone else 0
+        self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1)
+        self._first = None
         budget = self.cfg.chunked_prefill_size
         decoding = [r for r in table.running if not r.is_prefilling]
         for r in decoding:
@@ -107,6 +111,7 @@ class StepPlanner:
         if (self.cfg.policy.takes_prefill(bool(plan.seqs), self._decode_only_run)
                 and not self._decodes_first(decoding, budget)):
             ckpt_locked = self._add_prefills(plan, budget)
+            self._settle_first_cuts(plan)
         self._prefill_tokens = sum(f.num_tokens for f in self.inflight if f.req.is_prefilling)
         has_prefill = self._prefill_tokens > 0
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
@@ -174,6 +179,7 @@ class StepPlanner:
                 table.waiting.remove(r)
                 table.running.append(r)
             taken = self._add_chunk(plan, r, budget)
+            self._cut_room = 0  # the step's first prefill took the cuts
             budget -= taken
             longest = max(longest, taken)
             served.append(r)
@@ -299,13 +305,35 @@ class StepPlanner:
         inside = [c for c in cuts if r.computed + c < len(r.prompt) - 1]
         if len(inside) > self._cut_room:
             end, cuts = r.computed + inside[self._cut_room], inside[: self._cut_room]
+        own, base = self._scratch_slot(r), self.cfg.scratch_slot_base
         num_scratch = self.cfg.max_running_requests
+        slots = [own] + [x for x in range(base, base + num_scratch) if x != own]
         if len(cuts) > num_scratch:
             end, cuts = r.computed + cuts[num_scratch], cuts[:num_scratch]
-        own, base = self._scratch_slot(r), self.cfg.scratch_slot_base
-        slots = [own] + [x for x in range(base, base + num_scratch) if x != own]
+        if len(cuts) > 1:  # more than its own scratch slot: settled once the step is planned
+            self._first = len(plan.seqs)
         self._add_seq(plan, r, end, list(zip(cuts, slots)))
         return end - r.computed
+
+    def _settle_first_cuts(self, plan: BatchPlan) -> None:
+        """Give the first prefill's cuts the scratch slots no other sequence of the step uses
+        (its own first: the others' end-of-prompt snapshots and dasc-wr replays take theirs),
+        and end its chunk at the first cut left without one."""
+        if self._first is None:
+            return
+        i, f = self._first, self.inflight[self._first]
+        r, own = f.req, self._scratch_slot(f.req)
+        used = {slot for q in plan.seqs if q is not f.step for _, slot in q.snapshots}
+        used.update(plan.refresh_scratch)
+        slots = [own] + [x for _, x in f.step.snapshots if x != own and x not in used]
+        cuts = [c for c, _ in f.step.snapshots]
+        if len(cuts) <= len(slots):
+            f.step.snapshots = list(zip(cuts, slots))
+            return
+        del plan.seqs[i], self.inflight[i]  # rebuilt shorter, in its place
+        self._add_seq(plan, r, r.computed + cuts[len(slots)], list(zip(cuts, slots)))
+        plan.seqs.insert(i, plan.seqs.pop())
+        self.inflight.insert(i, self.inflight.pop())
 
     def _add_seq(self, plan: BatchPlan, r: Req, end: int,
                  snapshots: list[tuple[int, int]] | None = None) -> None:

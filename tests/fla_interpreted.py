@@ -2,7 +2,7 @@
 
 Runs in a child process started with `TRITON_INTERPRET=1` (`kernels.interpreted.run_interpreted`),
 where importing this module makes the adjustments fla 0.6.0's chunk kernels need there
-(ENVIRONMENT.md: 1, 2), here in the test harness and never in the product:
+(1 and 2 below), here in the test harness and never in the product:
 1. an autotuner launches one config: there is no driver to benchmark with.  It takes the last
    (fla lists small blocks first; the interpreter runs one program at a time, so the largest
    blocks are the quickest, ~2x on the KDA intra-chunk kernel).  Any listed config is valid;

@@ -3,9 +3,9 @@
 into the published layout: Qwen3.5 MoE's fused experts, OLMo-Hybrid's per-part convs).
 
 The reference classes are transformers' own (pure-torch path: fla must be blocked before they
-are imported, see ENVIRONMENT.md).  Decay parameters get a realistic spread (fla's init: A_log =
-log U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1)) and norm weights are perturbed so
-that no parameter is trivially 0 or 1.
+are imported, its kernels need a GPU).  Decay parameters get a realistic spread (fla's init:
+A_log = log U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1)) and norm weights are
+perturbed so that no parameter is trivially 0 or 1.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Small files (the house style, ``STYLE.md``): every Python file of the project stays at 350
-lines or fewer; 300 is the aim."""
+"""Files by concept: a Python file holds one thing and may run to 600 lines doing so; a file
+past that holds two and is split where they part."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("client", "dasc_server", "kernels", "loadgen", "model_runner", "scheduler", "scripts",
            "tests")
-MAX_LINES = 350
+MAX_LINES = 600
 
 
 def line_counts(root: Path) -> dict[str, int]:

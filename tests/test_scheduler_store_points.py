@@ -69,9 +69,11 @@ def test_cuts_inside_a_prompt_take_only_free_checkpoint_slots():
     assert_drained(s)
 
 
-def test_prompts_that_prefill_together_advance_point_by_point():
-    """Two 30-token prompts at once: each chunk ends at the next store point (8, 16, 24), both
-    prompts in every step, and only the last chunks cut at the end minus one (29)."""
+def test_the_first_prefill_runs_through_its_points_the_others_advance_point_by_point():
+    """Two 30-token prompts at once with room in the pool: the first in the policy's order runs
+    through its store points (8, 16, 24) and the end minus one (29) in one step, on scratch
+    slots nobody else uses in that step; the other's chunk ends at its next point, then it runs
+    through the rest."""
     s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
     loop = Loop(s, random_tokens())
     a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
@@ -79,7 +81,25 @@ def test_prompts_that_prefill_together_advance_point_by_point():
     loop.run()
     steps = [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
               for q in p.seqs] for p in loop.plans if p.seqs]
-    assert steps == [[(r, start, 8, []) for r in "ab"] for start in (0, 8, 16)] + [
-        [(r, 24, 6, [5]) for r in "ab"]]
+    assert steps == [[("a", 0, 30, [8, 16, 24, 29]), ("b", 0, 8, [])],
+                     [("b", 8, 22, [8, 16, 21])]]
     assert all(s.cache.ckpt_at(p[:end]) is not None for p in (a, b) for end in (8, 16, 24, 29))
+    assert_drained(s)
+
+
+def test_under_pressure_prompts_that_prefill_together_advance_point_by_point():
+    """With no checkpoint slot to spare for a cut (a pool of one), each chunk ends at the next
+    store point (8, 16, 24), both prompts in every step, and a full pool evicts for one store
+    at a time; in the last step the one slot goes to the first prompt's cut at the end minus
+    one (29), and the other's cut is dropped."""
+    s = make(chunked_prefill_size=64, num_checkpoint_slots=1, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
+    assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
+    loop.run()
+    steps = [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
+              for q in p.seqs] for p in loop.plans if p.seqs]
+    assert steps == [[(r, start, 8, []) for r in "ab"] for start in (0, 8, 16)] + [
+        [("a", 24, 6, [5]), ("b", 24, 6, [])]]
     assert_drained(s)

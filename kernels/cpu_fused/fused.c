@@ -1,4 +1,4 @@
-/* One pass over a GDN layer's activations where torch takes five to seven (CPU inference).
+/* Activation passes in one pass each where torch takes two to seven (CPU inference).
  *
  * dasc_gated_rmsnorm: Qwen3-Next's and Qwen3.5's gated output norm
  * (model_runner/layers/norm.py's GatedRMSNorm, silu gate) of rows of D FP32 values,
@@ -10,10 +10,12 @@
  * another order and polynomial than torch's, so results may differ from torch's in the last
  * bit of the model dtype (tests/test_cpu_fused_native.py bounds it).
  *
- * dasc_l2norm_rows: q and k of a GDN layer, x * rsqrt(sum(x^2) + eps) per head row of D, read
+ * dasc_l2norm_qkv: q and k of a GDN layer, x * rsqrt(sum(x^2) + eps) per head row of D, read
  * from the conv's output (bf16 or FP32, any row stride) into FP32 rows; v converted likewise.
  *
- * Both have an AVX-512 form (D % 16 == 0) and a portable one that give the same bits.
+ * dasc_silu_mul: a dense MLP's round(round(silu(gate)) * up) from the gate-up projection.
+ *
+ * Each has an AVX-512 form (D % 16 == 0) and a portable one that give the same bits.
  */
 #include <math.h>
 #include <stdint.h>

@@ -10,7 +10,8 @@ nothing here is committed.  Shapes are the public configs' (SPEC §5):
 - ``qwen3-next-shape``: Qwen3-Next-80B-A3B's linear heads (16 key / 32 value heads of 128, conv
   kernel 4) and gated attention (16 q / 2 kv heads of 256, partial rotary 0.25), every 4th layer
   full attention, experts 512 wide with a 512-wide sigmoid-gated shared expert; cut to 8 layers,
-  hidden 1,024 and 8 experts top-2 (the model vLLM-CPU was measured on, ANCHORS.md).
+  hidden 1,024 and 8 experts top-2 (the model of the vLLM-CPU comparison,
+  docs/benchmarks.md).
 - ``kimi-linear-shape``: Kimi-Linear-48B-A3B's KDA (32 heads of 128, three convs of kernel 4),
   MLA (32 heads, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, no q-LoRA), hidden 2,304,
   experts 1,024 wide top-8 with one shared expert, layer 1 dense (9,216); cut to 8 layers
@@ -46,7 +47,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.modules.setdefault("fla", None)  # transformers' pure-torch path on CPU (ENVIRONMENT.md)
+sys.modules.setdefault("fla", None)  # transformers' pure-torch path on CPU (fla needs a GPU)
 
 import torch  # noqa: E402
 

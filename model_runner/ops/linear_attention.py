@@ -2,7 +2,8 @@
 
 CPU: the chunked form for prefill, all sequences in one pass (GDN: the C kernel
 ``kernels/delta_rule/cpu_chunk``; KDA, or without a C compiler: ``varlen_chunk_delta_rule``), and
-``decode_step`` for decode and for the one-token sequences of a mixed step (torch).
+``decode_step`` for decode and for the one-token sequences of a mixed step (torch; serving
+runs them in their pool slots, ``decode_into``, by ``kernels/cpu_decode``'s C kernel).
 ``recurrence_in_pool`` runs a step's sequences straight from and into a state pool (CPU
 inference).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
