@@ -175,7 +175,7 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
             if rows:
                 specs = [plan.seqs[i].sample for i in rows]
                 rids = [plan.seqs[i].rid for i in rows]
-                batch = logits[rows]
+                batch = logits if len(rows) == len(logits) else logits[rows]  # rows ascend
                 got = sample_tokens(batch, specs, controls.for_batch(rids, specs, batch))
                 sampled = got._replace(target_logprobs=sampled.target_logprobs,
                                        target_top_ids=sampled.target_top_ids,
