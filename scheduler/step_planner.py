@@ -19,9 +19,10 @@ pressure (no free slot) prompts advance point by point, breadth first: cutting t
 point of several prompts, evicting for several stores in one step, cost the multi-turn
 eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs through the
 store points inside it).  With free slots the first prompt finishes first instead of every
-prompt finishing late: two cold 1,400-token prompts at Qwen3.5-0.8B's shape had a mean TTFT of
-5.6 s point by point (docs/results/cpu-serving).  A cut whose store finds no checkpoint slot is
-dropped before the step is sent.
+prompt finishing late: two cold 1,400-token prompts sent together at Qwen3.5-0.8B's shape on
+the 2-core VM both took 5.8 s point by point, and 3.2-3.7 s and 6.1-6.3 s this way (the first
+one's decode then shares its steps with the other's prefill).  A cut whose store finds no
+checkpoint slot is dropped before the step is sent.
 
 While requests decode, a step's prefill may wait: ``--decode-interleave`` runs N decode-only steps
 between prefill steps, ``--decode-first cost`` defers prefill while the running decodes should
