@@ -16,11 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native_build
-from kernels.delta_rule.cpu_chunk import chunk_in_pool, native_library
+from kernels.delta_rule import cpu_chunk
+from kernels.delta_rule.cpu_chunk import chunk_in_pool, native_library, simd_available
 from model_runner.ops.delta_rule import recurrent_delta_rule, varlen_chunk_delta_rule
 from model_runner.ops.linear_attention import delta_rule_prefill, recurrence_in_pool
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
+needs_simd = pytest.mark.skipif(not simd_available(), reason="no AVX-512 here")
 
 SHAPES = {  # (key heads, heads, K, V)
     "qwen3.5": (4, 4, 128, 128),  # Qwen3.5's head shape, fewer heads
@@ -42,7 +44,10 @@ def _inputs(total, key_heads, heads, k_dim, v_dim, seed, steep=False):
     return q, k, v, g, beta
 
 
-def _run(shape, cu, chunk, simd=True, steep=False, seed=0):
+def _run(shape, cu, chunk, simd=None, steep=False, seed=0):
+    """The kernel on fresh inputs: its AVX-512 form where the CPU has it, else (``simd``
+    None) the portable one."""
+    simd = simd_available() if simd is None else simd
     key_heads, heads, k_dim, v_dim = SHAPES[shape]
     q, k, v, g, beta = _inputs(cu[-1], key_heads, heads, k_dim, v_dim, seed, steep)
     pool = torch.randn(len(cu) + 2, heads, k_dim, v_dim,
@@ -53,6 +58,7 @@ def _run(shape, cu, chunk, simd=True, steep=False, seed=0):
     return (q, k, v, g, beta), before, pool, slots, o
 
 
+@needs_simd
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
 def test_simd_and_portable_forms_give_the_same_bits(shape):
@@ -125,9 +131,25 @@ def test_declines_what_it_does_not_run():
             assert chunk_in_pool(q, k, v, g, beta, pool, *args) is None
         finally:
             native_build.set_enabled(True)
-        assert chunk_in_pool(q, k, v, g, beta, pool, *args) is not None
+        assert (chunk_in_pool(q, k, v, g, beta, pool, *args) is not None) == simd_available()
+        assert chunk_in_pool(q, k, v, g, beta, pool, *args, simd=False) is not None
 
 
+def test_declines_on_a_cpu_without_avx512(monkeypatch):
+    """Its portable form is a reference, slower than the torch form: an AVX2-only CPU takes
+    torch."""
+    monkeypatch.setattr(cpu_chunk, "simd_available", lambda: False)
+    key_heads, heads, k_dim, v_dim = SHAPES["qwen3.5"]
+    q, k, v, g, beta = _inputs(20, key_heads, heads, k_dim, v_dim, 0)
+    with torch.inference_mode():
+        pool = torch.zeros(1, heads, k_dim, v_dim)
+        assert chunk_in_pool(q, k, v, g, beta, pool, [0], [0, 20], 0.2, 16) is None
+        o_prefill, _ = delta_rule_prefill(q, k, v, g, beta, pool, [0, 20], 0.2)
+        o_torch, _ = varlen_chunk_delta_rule(q, k, v, g, beta, pool, [0, 20], 0.2, 32)
+    assert torch.equal(o_prefill, o_torch)
+
+
+@needs_simd
 @torch.inference_mode()
 def test_the_runner_entry_points_take_it_and_agree_with_each_other():
     """``recurrence_in_pool`` (in place) and ``delta_rule_prefill`` (on gathered states) both

@@ -11,12 +11,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native_build
-from kernels.cpu_fused import gated_rmsnorm, l2norm_qkv, native_library, silu_mul
+from kernels import cpu_fused, native_build
+from kernels.cpu_fused import (
+    gated_rmsnorm,
+    l2norm_qkv,
+    native_library,
+    silu_mul,
+    simd_available,
+)
 from model_runner.layers.norm import GatedRMSNorm
 from model_runner.ops.delta_rule import l2norm_rsqrt
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
+
+
+def _simd(dim: int) -> bool:
+    """The form a test runs: AVX-512 where the CPU has it and the rows allow, else portable."""
+    return dim % 16 == 0 and simd_available()
 
 
 def _norm_inputs(dtype, tokens=37, heads=3, dim=128, seed=0):
@@ -41,7 +52,7 @@ def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def test_gated_norm_matches_torch(dtype, dim):
     o, z, norm = _norm_inputs(dtype, dim=dim)
-    got = norm.from_fp32(o, z)
+    got = gated_rmsnorm(o, z, norm.weight.detach().float(), 1e-6, simd=_simd(dim))
     want = norm(o.to(dtype).reshape(-1, dim), z.reshape(-1, dim))
     assert got.dtype == dtype and got.shape == want.shape
     if dtype == torch.bfloat16:
@@ -54,7 +65,8 @@ def test_gated_norm_matches_torch(dtype, dim):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dim", [128, 40])
+@pytest.mark.skipif(not simd_available(), reason="no AVX-512 here")
+@pytest.mark.parametrize("dim", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @torch.inference_mode()
 def test_simd_and_portable_forms_give_the_same_bits(dtype, dim):
@@ -73,7 +85,7 @@ def test_l2norm_qkv_matches_torch(dtype):
     key_heads, dim, values = 4, 128, 8 * 128
     wide = torch.randn(50, 2 * key_heads * dim + values + 7).to(dtype)
     x = wide[:, :-7]  # rows at a stride wider than the row
-    q, k, v = l2norm_qkv(x, key_heads, dim)
+    q, k, v = l2norm_qkv(x, key_heads, dim, simd=_simd(dim))
     tq, tk, tv = x.split([key_heads * dim, key_heads * dim, values], dim=-1)
     assert torch.allclose(q, l2norm_rsqrt(tq.reshape(50, key_heads, dim).float()),
                           rtol=0, atol=3e-7)
@@ -100,7 +112,21 @@ def test_declines_what_it_does_not_run():
         finally:
             native_build.set_enabled(True)
         assert torch.equal(fallback, norm(o.to(z.dtype).reshape(-1, 128), z.reshape(-1, 128)))
-        assert gated_rmsnorm(o, z, weight, 1e-6) is not None
+        assert (gated_rmsnorm(o, z, weight, 1e-6) is not None) == simd_available()
+        assert gated_rmsnorm(o, z, weight, 1e-6, simd=False) is not None
+        assert gated_rmsnorm(o[..., :40].contiguous(), z[:, :120], weight[:40], 1e-6) is None
+
+
+def test_declines_on_a_cpu_without_avx512(monkeypatch):
+    """The portable forms are references, slower than torch: an AVX2-only CPU takes torch."""
+    monkeypatch.setattr(cpu_fused, "simd_available", lambda: False)
+    o, z, norm = _norm_inputs(torch.bfloat16)
+    with torch.inference_mode():
+        assert gated_rmsnorm(o, z, norm.weight.float(), 1e-6) is None
+        assert l2norm_qkv(torch.randn(3, 5 * 128), 2, 128) is None
+        assert silu_mul(torch.randn(3, 256)) is None
+        assert torch.equal(norm.from_fp32(o, z),
+                           norm(o.to(z.dtype).reshape(-1, 128), z.reshape(-1, 128)))
 
 
 @pytest.mark.parametrize("dim", [128, 40])
@@ -109,7 +135,7 @@ def test_declines_what_it_does_not_run():
 def test_silu_mul_matches_torch(dtype, dim):
     wide = (torch.randn(33, 2 * dim + 5) * 3).to(dtype)
     x = wide[:, :-5]  # rows at a stride wider than the row
-    got = silu_mul(x)
+    got = silu_mul(x, simd=_simd(dim))
     assert torch.equal(got, silu_mul(x, simd=False))
     gate, up = x.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up

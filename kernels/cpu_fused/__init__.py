@@ -9,8 +9,9 @@
 
 Their sums and exponentials run in another order than torch's, so they agree with the torch
 forms to the last bit of the model dtype, not bit for bit (tests/test_cpu_fused_native.py).
-Each returns None where it does not run (no C compiler, ``DASC_NATIVE_KERNELS=0``, tensors not
-on the CPU or not in the dtypes and layouts it reads, autograd), and the caller takes torch.
+Each returns None where it does not run (no C compiler, ``DASC_NATIVE_KERNELS=0``, a CPU
+without AVX-512 or rows not a multiple of 16 wide, tensors not on the CPU or not in the dtypes
+and layouts it reads, autograd), and the caller takes torch.
 """
 
 from __future__ import annotations
@@ -28,17 +29,30 @@ _SIGNATURES = {
     "dasc_gated_rmsnorm": (PTR, PTR, I64, PTR, I64, I64, I64, F32, I64, PTR, I64),
     "dasc_l2norm_qkv": (PTR, I64, I64, I64, I64, F32, I64, I64, PTR, PTR, PTR, I64),
     "dasc_silu_mul": (PTR, I64, I64, I64, I64, PTR, I64),
+    "dasc_fused_simd": (),
 }
 
 
 @cache
 def native_library() -> ctypes.CDLL | None:
-    return load_library(SOURCE, "cpu_fused", _SIGNATURES, "the fused CPU activation kernels")
+    return load_library(SOURCE, "cpu_fused", _SIGNATURES, "the fused CPU activation kernels",
+                        returns={"dasc_fused_simd": ctypes.c_int})
 
 
-def _runs(*tensors: torch.Tensor) -> bool:
+@cache
+def simd_available() -> bool:
+    """Whether the AVX-512 forms run here.  Without them the kernels decline: their portable
+    forms (a scalar exponential) are references for the tests, slower than torch."""
+    lib = native_library()
+    return lib is not None and bool(lib.dasc_fused_simd())
+
+
+def _runs(dim: int, simd: bool, *tensors: torch.Tensor) -> bool:
+    """The kernels run on CPU tensors without autograd, in the AVX-512 form (rows of a
+    multiple of 16 on an AVX-512 CPU) unless ``simd`` is False (tests)."""
     return (all(t.device.type == "cpu" for t in tensors) and not torch.is_grad_enabled()
-            and enabled() and native_library() is not None)
+            and enabled() and native_library() is not None
+            and (not simd or (dim % 16 == 0 and simd_available())))
 
 
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -46,7 +60,7 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     """o [N, H, D] FP32, z [N, H * D] (bf16 or FP32, rows at any stride), weight [D] FP32 ->
     [N * H, D] in z's dtype, or None."""
     n, heads, dim = o.shape
-    if (not _runs(o, z, weight) or o.dtype != torch.float32 or not o.is_contiguous()
+    if (not _runs(dim, simd, o, z, weight) or o.dtype != torch.float32 or not o.is_contiguous()
             or z.dtype not in (torch.bfloat16, torch.float32) or z.dim() != 2
             or z.stride(1) != 1 or z.shape != (n, heads * dim) or weight.dtype != torch.float32
             or not weight.is_contiguous()):
@@ -62,8 +76,8 @@ def l2norm_qkv(x: torch.Tensor, key_heads: int, dim: int, eps: float = 1e-6,
                simd: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """x [N, 2 * key_heads * dim + E] (bf16 or FP32, rows at any stride) -> (q, k
     [N, key_heads, dim] L2-normalised, v [N, E]), FP32, or None."""
-    if (not _runs(x) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2
-            or x.stride(1) != 1 or x.shape[1] <= 2 * key_heads * dim):
+    if (not _runs(dim, simd, x) or x.dtype not in (torch.bfloat16, torch.float32)
+            or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] <= 2 * key_heads * dim):
         return None
     n, values = x.shape[0], x.shape[1] - 2 * key_heads * dim
     q, k = (torch.empty(n, key_heads, dim) for _ in range(2))
@@ -77,8 +91,8 @@ def l2norm_qkv(x: torch.Tensor, key_heads: int, dim: int, eps: float = 1e-6,
 def silu_mul(x: torch.Tensor, simd: bool = True) -> torch.Tensor | None:
     """x [N, 2 * D] = [gate | up] (bf16 or FP32, rows at any stride) -> silu(gate) * up
     [N, D] in x's dtype, rounded where torch rounds, or None."""
-    if (not _runs(x) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2
-            or x.stride(1) != 1 or x.shape[1] % 2):
+    if (x.dim() != 2 or x.shape[1] % 2 or not _runs(x.shape[1] // 2, simd, x)
+            or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(1) != 1):
         return None
     n, dim = x.shape[0], x.shape[1] // 2
     out = torch.empty(n, dim, dtype=x.dtype)

@@ -308,3 +308,13 @@ void dasc_silu_mul(const void *x, int64_t x_stride, int64_t R, int64_t D, int64_
         }
     }
 }
+
+/* 1 where the AVX-512 forms run on this CPU; the portable forms (a scalar exponential) are
+ * references, slower than torch's vectorised passes. */
+int dasc_fused_simd(void) {
+#ifdef HAVE_X86
+    return simd_ok(16, 1);
+#else
+    return 0;
+#endif
+}

@@ -258,3 +258,13 @@ int dasc_gdn_chunk(const float *q, const float *k, const float *v, const float *
     free(scratch);
     return 0;
 }
+
+/* 1 where dasc_gdn_chunk's AVX-512 form runs on this CPU; its portable form is a reference
+ * (scalar fused multiply-adds), far slower than the torch form it stands in for. */
+int dasc_gdn_chunk_simd(void) {
+#ifdef HAVE_X86
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}

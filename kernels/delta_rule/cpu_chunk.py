@@ -5,8 +5,8 @@ slot, so a step's states are neither gathered nor written back.
 The torch form and reference is ``model_runner/ops/delta_rule.py``'s ``chunk_delta_rule``; the
 two agree to FP32 rounding (tests/test_cpu_chunk_native.py: ~1e-6 of the outputs' scale over
 hundreds of tokens).  ``chunk_in_pool`` returns None where the kernel does not run (no C
-compiler, ``DASC_NATIVE_KERNELS=0``, a per-channel decay, tensors not FP32 on the CPU,
-autograd), and the caller takes the torch form.
+compiler, ``DASC_NATIVE_KERNELS=0``, a CPU without AVX-512, a per-channel decay, tensors not
+FP32 on the CPU, autograd), and the caller takes the torch form.
 """
 
 from __future__ import annotations
@@ -21,13 +21,24 @@ from kernels.native_build import F32, I64, PTR, enabled, load_library
 
 SOURCE = Path(__file__).with_name("cpu_chunk.c")
 _SIGNATURES = {"dasc_gdn_chunk": (PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64,
-                                  I64, I64, F32, I64, PTR, I64, I64)}
+                                  I64, I64, F32, I64, PTR, I64, I64),
+               "dasc_gdn_chunk_simd": ()}
 
 
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "cpu_chunk", _SIGNATURES, "the CPU chunked delta rule",
-                        flags=("-fopenmp",), returns={"dasc_gdn_chunk": ctypes.c_int})
+                        flags=("-fopenmp",), returns={"dasc_gdn_chunk": ctypes.c_int,
+                                                      "dasc_gdn_chunk_simd": ctypes.c_int})
+
+
+@cache
+def simd_available() -> bool:
+    """Whether the kernel's AVX-512 form runs here.  Without it the kernel declines: its
+    portable form (scalar fused multiply-adds) is a reference for the tests, slower than the
+    torch form."""
+    lib = native_library()
+    return lib is not None and bool(lib.dasc_gdn_chunk_simd())
 
 
 def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -44,7 +55,7 @@ def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
             or torch.is_grad_enabled() or not pool[0].is_contiguous()
             or pool.stride(0) < num_heads * k_dim * v_dim
             or any(x.dtype != torch.float32 or x.device.type != "cpu" for x in operands)
-            or not enabled() or native_library() is None):
+            or not enabled() or native_library() is None or (simd and not simd_available())):
         return None
     if slots and (min(slots) < 0 or max(slots) >= pool.shape[0]):  # the C code trusts them
         raise IndexError(f"state slots {slots} outside [0, {pool.shape[0]})")
