@@ -173,7 +173,8 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="where a prefill stores checkpoints: branch (every "
                         "--checkpoint-interval tokens, the prompt end and the point where the "
                         "prompt branches off a cached one, so a shared prefix of any length is "
-                        "hit from its third sharer on), all (the interval and the prompt end) or "
+                        "hit from its third sharer on, from its second when they are in flight "
+                        "together), all (the interval and the prompt end) or "
                         "reuse (the prompt end and the branch point; the interval plays no part)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
     g.add_argument("--no-cache-finished", action="store_true",
