@@ -99,8 +99,9 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
         raise ValueError(f"the state budget holds no checkpoint slot ({slot_bytes} bytes each)")
     runner.attach_checkpoints(plan, num_slots, CheckpointFormat(payload=spec.payload.value,
                                                                 placement=placement))
-    warm_up(runner, min(WARM_UP_TOKENS, sched.max_total_tokens - 1,
-                        max_context_len(config.model) - 1))
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    warm_up(runner, 0 if weight_bytes < WARM_UP_MIN_BYTES else
+            min(WARM_UP_TOKENS, sched.max_total_tokens - 1, max_context_len(config.model) - 1))
     info = RankInfo(cfg.architecture, tp.size, cfg.vocab_size, cfg.eos_token_id,
                     max_context_len(config.model), num_slots, slot_bytes,
                     dense_slot_bytes(cfg, tp.size), plan.refresh_window,
@@ -115,11 +116,15 @@ PROBE_TOKENS = 128
 # the activations' memory faulted in.  Without it the first 1,400-token prompt at
 # Qwen3.5-0.8B's shape on the 2-core VM took 7.0 s against 2.9 s for the next.
 WARM_UP_TOKENS = 2048
+# Models smaller than this skip the warm-up forwards (their first use costs little; the
+# built-in tiny models' 0.2 s of start-up CPU made timing tests on a busy 2-core machine flaky).
+WARM_UP_MIN_BYTES = 64 * 2**20
 
 
 def warm_up(runner: ModelRunner, num_tokens: int) -> None:
-    """One prefill of ``num_tokens`` and one decode step on every rank (SPMD), into KV rows
-    [0, num_tokens] and state slot 1, which nothing holds yet; the slot is left zeroed."""
+    """The C libraries loaded; then, for ``num_tokens`` > 0, one prefill of ``num_tokens`` and
+    one decode step on every rank (SPMD), into KV rows [0, num_tokens] and state slot 1, which
+    nothing holds yet; the slot is left zeroed."""
     for library in (cpu_chunk.native_library, cpu_decode.native_library,
                     cpu_fused.native_library, ragged_native.native_library):
         library()  # built on first use: now, not in the first request
