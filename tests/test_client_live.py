@@ -176,9 +176,10 @@ def test_stream_frames_arrive_as_they_are_made(client):
     """Without TCP_NODELAY on the engine's sockets, from a stream's second request on, its
     second token comes ~40 ms after the first (a delayed ACK) and the next ~10 within 0.1 ms
     of each other.  Here the second token's gap (median over four streams) stays within
-    20 ms of the median gap, and fewer than a quarter of the gaps are such bursts (< 0.2 ms).
-    Relative, because under a loaded suite a decode step of this model takes 3 to 30 ms: the
-    stall adds its ~40 ms to one gap, load stretches them all."""
+    20 ms of the median gap.  Relative, because under a loaded suite a decode step of this
+    model takes 1 to 30 ms: the stall adds its ~40 ms to one gap, load stretches them all.
+    (Bursts alone prove nothing: when a step is quicker than the client reads a frame, the
+    client finds two frames waiting, stall or not.)"""
     second_gaps, gaps = [], []
     for i in range(5):
         events = client.stream(ids(f"timing {i} "), max_tokens=24, ignore_eos=True,
@@ -191,4 +192,3 @@ def test_stream_frames_arrive_as_they_are_made(client):
             gaps += steps
     assert statistics.median(second_gaps) < statistics.median(gaps) + 0.020, (second_gaps,
                                                                               sorted(gaps))
-    assert sum(g < 2e-4 for g in gaps) < len(gaps) / 4, sorted(gaps)[:20]
