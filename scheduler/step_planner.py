@@ -202,6 +202,7 @@ class StepPlanner:
         if not self.cfg.prefix_cache:
             return
         leaders = [r for r in self.table.running if r.is_prefilling]
+        points: dict[str, list[int]] = {}
         for w in islice(self.table.waiting, LPM_MAX_RANKED):
             if not self._can_hit(w):
                 leaders.append(w)
@@ -210,8 +211,13 @@ class StepPlanner:
             best, leader, share = hit + MIN_BRANCH_GAIN - 1, None, False
             for r in leaders:
                 shared = _common_prefix(w.prompt, r.prompt, len(w.prompt) - 1)
+                if shared <= max(best, r.computed):  # no point it could wait for
+                    continue
+                if r.rid not in points:  # the leader's own, before this step's share points
+                    points[r.rid] = self._boundaries(r)
                 below = max([hit, self.table.cache.match_len(r.prompt, shared),
-                             *(p for p in self._boundaries(r) if p <= shared)])
+                             *(p for p in points[r.rid] if p <= shared),
+                             *(p for p in self._share_points.get(r.rid, ()) if p <= shared)])
                 stores = (self.cfg.ckpt_admission != "all"
                           and shared - below >= MIN_BRANCH_GAIN)
                 point = shared if stores else below

@@ -69,6 +69,12 @@ def test_cuts_inside_a_prompt_take_only_free_checkpoint_slots():
     assert_drained(s)
 
 
+def _chunks(loop: Loop) -> list[list[tuple[str, int, int, list[int]]]]:
+    """Each step's sequences: (request, start, tokens, cuts)."""
+    return [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
+             for q in p.seqs] for p in loop.plans if p.seqs]
+
+
 def test_the_first_prefill_runs_through_its_points_the_others_advance_point_by_point():
     """Two 30-token prompts at once with room in the pool: the first in the policy's order runs
     through its store points (8, 16, 24) and the end minus one (29) in one step, on scratch
@@ -79,8 +85,7 @@ def test_the_first_prefill_runs_through_its_points_the_others_advance_point_by_p
     a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
     assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
     loop.run()
-    steps = [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
-              for q in p.seqs] for p in loop.plans if p.seqs]
+    steps = _chunks(loop)
     assert steps == [[("a", 0, 30, [8, 16, 24, 29]), ("b", 0, 8, [])],
                      [("b", 8, 22, [8, 16, 21])]]
     assert all(s.cache.ckpt_at(p[:end]) is not None for p in (a, b) for end in (8, 16, 24, 29))
@@ -98,8 +103,7 @@ def test_under_pressure_prompts_that_prefill_together_advance_point_by_point():
     a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
     assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
     loop.run()
-    steps = [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
-              for q in p.seqs] for p in loop.plans if p.seqs]
+    steps = _chunks(loop)
     assert steps == [[(r, start, 8, []) for r in "ab"] for start in (0, 8, 16)] + [
         [("a", 24, 6, [5]), ("b", 24, 6, [])]]
     assert_drained(s)

@@ -47,6 +47,13 @@ static inline float load_elem(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+static inline void store_elem(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = round_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
 /* exp by Cody-Waite reduction and a degree-5 polynomial (Cephes' expf; ~1 ulp), the same
  * operations as exp16 below. */
 #define EXP_HI 88.3762626647949f
@@ -95,11 +102,7 @@ static void gated_row_portable(const float *o, const void *z, const float *w, in
     const float r = 1.0f / sqrtf(sum_squares_portable(x, D) / (float)D + eps);
     for (int64_t c = 0; c < D; ++c) {
         const float y = round_to(w[c] * round_to(x[c] * r, bf16), bf16);
-        const float v = round_to(y * silu1(load_elem(z, c, bf16)), bf16);
-        if (bf16)
-            ((uint16_t *)out)[c] = round_bf16(v);
-        else
-            ((float *)out)[c] = v;
+        store_elem(out, c, y * silu1(load_elem(z, c, bf16)), bf16);
     }
 }
 
@@ -300,11 +303,7 @@ void dasc_silu_mul(const void *x, int64_t x_stride, int64_t R, int64_t D, int64_
 #endif
         for (int64_t c = 0; c < D; ++c) {
             const float s = round_to(silu1(load_elem(gate, c, (int)bf16)), (int)bf16);
-            const float v = round_to(s * load_elem(up, c, (int)bf16), (int)bf16);
-            if (bf16)
-                ((uint16_t *)o)[c] = round_bf16(v);
-            else
-                ((float *)o)[c] = v;
+            store_elem(o, c, s * load_elem(up, c, (int)bf16), (int)bf16);
         }
     }
 }

@@ -41,6 +41,18 @@ def simd_available() -> bool:
     return lib is not None and bool(lib.dasc_gdn_chunk_simd())
 
 
+def chunk_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, simd: bool = True) -> bool:
+    """Whether ``chunk_in_pool`` runs on these operands (its pool aside), so a caller can skip
+    preparing a pool for it: a per-head decay, FP32 CPU tensors, no autograd, the library
+    built and switched on, its AVX-512 form here (unless ``simd`` is False: tests)."""
+    return (g.dim() == 2 and not torch.is_grad_enabled()
+            and all(x.dtype == torch.float32 and x.device.type == "cpu"
+                    for x in (q, k, v, g, beta))
+            and enabled() and native_library() is not None
+            and (not simd or simd_available()))
+
+
 def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, pool: torch.Tensor, slots: list[int],
                   cu_seqlens: list[int], scale: float, chunk_size: int, simd: bool = True
@@ -51,11 +63,9 @@ def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     loops (tests)."""
     num_heads, k_dim, v_dim = pool.shape[1:]
     operands = (q, k, v, g, beta)
-    if (pool.device.type != "cpu" or pool.dtype != torch.float32 or g.dim() != 2
-            or torch.is_grad_enabled() or not pool[0].is_contiguous()
-            or pool.stride(0) < num_heads * k_dim * v_dim
-            or any(x.dtype != torch.float32 or x.device.type != "cpu" for x in operands)
-            or not enabled() or native_library() is None or (simd and not simd_available())):
+    if (not chunk_runs(*operands, simd=simd) or pool.device.type != "cpu"
+            or pool.dtype != torch.float32 or not pool[0].is_contiguous()
+            or pool.stride(0) < num_heads * k_dim * v_dim):
         return None
     if slots and (min(slots) < 0 or max(slots) >= pool.shape[0]):  # the C code trusts them
         raise IndexError(f"state slots {slots} outside [0, {pool.shape[0]})")

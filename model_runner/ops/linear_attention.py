@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels.delta_rule.cpu_chunk import chunk_in_pool
+from kernels.delta_rule.cpu_chunk import chunk_in_pool, chunk_runs
 from model_runner.ops.delta_rule import default_chunk_size, varlen_chunk_delta_rule
 from model_runner.ops.delta_rule_decode import decode_into, decode_step
 
@@ -69,11 +69,12 @@ def _cpu_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
 def _chunked(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
     """(o, final states) of sequences of any lengths: the C kernel where it runs (GDN, no
     autograd), else ``varlen_chunk_delta_rule``."""
-    finals = states.to(torch.float32, copy=True)
-    o = chunk_in_pool(q, k, v, g, beta, finals, list(range(len(finals))), cu_seqlens, scale,
-                      NATIVE_CHUNK)
-    if o is not None:
-        return o, finals
+    if chunk_runs(q, k, v, g, beta):
+        finals = states.to(torch.float32, copy=True)
+        o = chunk_in_pool(q, k, v, g, beta, finals, list(range(len(finals))), cu_seqlens,
+                          scale, NATIVE_CHUNK)
+        if o is not None:
+            return o, finals
     return varlen_chunk_delta_rule(q, k, v, g, beta, states, cu_seqlens, scale,
                                    default_chunk_size(g.dim() == 3))
 
