@@ -118,6 +118,10 @@ class SingleQueries:
     # both None where padding would cost too much (each sequence then attends alone)
     table: torch.Tensor | None
     lens: torch.Tensor | None
+    # every one's rows back to back: sequence i reads read_rows[read_starts[i]:][:read_lens[i]]
+    read_rows: torch.Tensor
+    read_starts: torch.Tensor
+    read_lens: torch.Tensor
 
     # padding a short context to the longest one costs what attention over it costs: pad only
     # while the table holds at most this many times the rows it must read
@@ -133,10 +137,12 @@ class SingleQueries:
         device = reads[0].device
         rows = torch.tensor([cu[i] for i in seqs], dtype=torch.long, device=device)
         lens = [len(r) for r in reads]
+        read_lens = torch.tensor(lens, dtype=torch.long, device=device)
+        flat = (torch.cat(reads), read_lens.cumsum(0) - read_lens, read_lens)
         if len(seqs) * max(lens) > cls.MAX_PADDING * sum(lens):
-            return cls(seqs, rows, None, None)
+            return cls(seqs, rows, None, None, *flat)
         table = torch.nn.utils.rnn.pad_sequence(reads, batch_first=True, padding_value=0)
-        return cls(seqs, rows, table, torch.tensor(lens, dtype=torch.long, device=device))
+        return cls(seqs, rows, table, read_lens, *flat)
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
   bf16, at most one bf16 unit in the last place from torch's result, and only on a small share
   of the values (its mean and exponential run in another order); in FP32, to rounding;
 - q and k L2-normalised and v converted, straight from the conv's output;
+- the hidden-state and per-head RMS norms in each architecture's roundings;
 - AVX-512 and portable forms give the same bits; what they cannot run they decline (None).
 """
 
@@ -16,10 +17,11 @@ from kernels.cpu_fused import (
     gated_rmsnorm,
     l2norm_qkv,
     native_library,
+    rmsnorm,
     silu_mul,
     simd_available,
 )
-from model_runner.layers.norm import GatedRMSNorm
+from model_runner.layers.norm import GatedRMSNorm, RMSNorm
 from model_runner.ops.delta_rule import l2norm_rsqrt
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
@@ -145,3 +147,42 @@ def test_silu_mul_matches_torch(dtype, dim):
         assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.02
     else:
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+# (unit_offset, fp32_product): Qwen's (1 + w) in FP32, OLMo's FP32 product, Llama's rounding
+NORM_ORDERS = [(True, False), (False, True), (False, False)]
+
+
+@pytest.mark.parametrize("order", NORM_ORDERS, ids=["qwen", "olmo", "llama"])
+@pytest.mark.parametrize("dim", [1024, 256, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@torch.inference_mode()
+def test_rmsnorm_matches_torch(dtype, dim, order):
+    """``RMSNorm`` in C against its torch form, on strided rows as the per-head norms see them
+    (q of q_proj's [query | gate] heads): the same bf16 values here (the sum of squares runs
+    in another order, which bf16 hides), FP32 to rounding; the AVX-512 and portable forms
+    give the same bits; rows it cannot take (D % 16) stay in torch."""
+    unit_offset, fp32_product = order
+    norm = RMSNorm(dim, 1e-6, dtype, unit_offset=unit_offset, fp32_product=fp32_product)
+    gen = torch.Generator().manual_seed(dim)
+    norm.weight.copy_(torch.randn(dim, generator=gen) * 0.3 + (0 if unit_offset else 1))
+    x = (torch.randn(7, 3, 2 * dim, generator=gen) * 3).to(dtype)[..., :dim]
+    got = norm(x)
+    native_build.set_enabled(False)
+    try:
+        want = norm(x)
+    finally:
+        native_build.set_enabled(True)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    if dtype == torch.bfloat16:
+        same_sign = (got.float() * want.float()) > 0
+        assert int(_ulps_bf16(got[same_sign], want[same_sign]).max()) <= 1
+        assert float((got != want).float().mean()) < 0.01
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    weight = norm._fp32_weight()
+    fast = rmsnorm(x, weight, 1e-6, norm._rounds_first)
+    assert (fast is None) == (dim % 16 != 0 or not simd_available())
+    if fast is not None:
+        assert torch.equal(fast, got)
+        assert torch.equal(fast, rmsnorm(x, weight, 1e-6, norm._rounds_first, simd=False))

@@ -1,11 +1,15 @@
-"""Activation passes fused in C (``fused.c`` beside this file), CPU inference:
+"""Passes fused in C (``fused.c`` beside this file), CPU inference:
 
 - ``gated_rmsnorm``: the silu-gated output norm of Qwen3-Next and Qwen3.5 from the delta rule's
   FP32 output, with the model dtype's roundings (``layers/norm.py``'s ``GatedRMSNorm`` is the
   torch form);
 - ``l2norm_qkv``: q and k L2-normalised and v converted to FP32, straight from the conv's
   output (``ops/delta_rule.py``'s ``l2norm_rsqrt`` is the torch form);
-- ``silu_mul``: a dense MLP's ``silu(gate) * up`` from the gate-up projection's output.
+- ``silu_mul``: a dense MLP's ``silu(gate) * up`` from the gate-up projection's output;
+- ``rmsnorm``: an RMS norm of rows in the roundings of each architecture (``layers/norm.py``'s
+  ``RMSNorm`` is the torch form);
+- ``attention_decode``: one query token per sequence over its KV rows where they lie in the
+  pool (``layers/attention.py``'s ``_decode_each`` is the torch form), no gathered copy.
 
 Their sums and exponentials run in another order than torch's, so they agree with the torch
 forms to the last bit of the model dtype, not bit for bit (tests/test_cpu_fused_native.py).
@@ -29,6 +33,9 @@ _SIGNATURES = {
     "dasc_gated_rmsnorm": (PTR, PTR, I64, PTR, I64, I64, I64, F32, I64, PTR, I64),
     "dasc_l2norm_qkv": (PTR, I64, I64, I64, I64, F32, I64, I64, PTR, PTR, PTR, I64),
     "dasc_silu_mul": (PTR, I64, I64, I64, I64, PTR, I64),
+    "dasc_attention_decode": (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, I64,
+                              PTR, I64),
+    "dasc_rmsnorm": (PTR, I64, I64, I64, PTR, F32, I64, I64, PTR, I64),
     "dasc_fused_simd": (),
 }
 
@@ -36,7 +43,8 @@ _SIGNATURES = {
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "cpu_fused", _SIGNATURES, "the fused CPU activation kernels",
-                        returns={"dasc_fused_simd": ctypes.c_int})
+                        returns={"dasc_fused_simd": ctypes.c_int,
+                                 "dasc_attention_decode": ctypes.c_int})
 
 
 @cache
@@ -99,3 +107,51 @@ def silu_mul(x: torch.Tensor, simd: bool = True) -> torch.Tensor | None:
     native_library().dasc_silu_mul(x.data_ptr(), x.stride(0), n, dim,
                                    int(x.dtype == torch.bfloat16), out.data_ptr(), int(simd))
     return out
+
+
+def attention_decode(q: torch.Tensor, cache: torch.Tensor, index: torch.Tensor,
+                     starts: torch.Tensor, lens: torch.Tensor, scale: float,
+                     simd: bool = True) -> torch.Tensor | None:
+    """q [B, H, D] over the pool ``cache`` [R, 2, Hkv, D] (rows [K | V], bf16 or FP32, q's
+    dtype): sequence b attends over rows ``index[starts[b] : starts[b] + lens[b]]`` (int64)
+    -> [B, H, D] in q's dtype, or None.  Raises IndexError for a row outside the pool (the C
+    code trusts them)."""
+    num_seqs, heads, dim = q.shape
+    if (q.dtype not in (torch.bfloat16, torch.float32) or cache.dtype != q.dtype
+            or cache.dim() != 4 or cache.shape[1] != 2 or cache.shape[3] != dim
+            or heads % cache.shape[2] or heads // cache.shape[2] > 16
+            or not cache[0].is_contiguous() or not _runs(dim, simd, q, cache, index)
+            or any(t.dtype != torch.long or t.dim() != 1 for t in (index, starts, lens))
+            or len(starts) != num_seqs or len(lens) != num_seqs or not num_seqs
+            or int(lens.min()) < 1):
+        return None
+    if int(index.min()) < 0 or int(index.max()) >= cache.shape[0]:
+        raise IndexError(f"KV rows outside [0, {cache.shape[0]})")
+    q, index, starts, lens = (t.contiguous() for t in (q, index, starts, lens))
+    out = torch.empty_like(q)
+    kv_heads = cache.shape[2]
+    failed = native_library().dasc_attention_decode(
+        q.data_ptr(), cache.data_ptr(), cache.stride(0), kv_heads * dim, index.data_ptr(),
+        starts.data_ptr(), lens.data_ptr(), num_seqs, heads, kv_heads, dim, scale,
+        int(q.dtype == torch.bfloat16), out.data_ptr(), int(simd))
+    return None if failed else out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool,
+            simd: bool = True) -> torch.Tensor | None:
+    """x [..., D] (bf16 or FP32) -> ``round(w * round(x_hat))`` (``round_first``) or
+    ``round(w * x_hat)``, x_hat = x * rsqrt(mean(x^2) + eps), in x's dtype; weight [D] FP32 as
+    the norm applies it.  None where it does not run."""
+    dim = x.shape[-1]
+    if (x.dtype not in (torch.bfloat16, torch.float32) or not x.numel()
+            or not _runs(dim, simd, x, weight) or weight.dtype != torch.float32
+            or weight.shape != (dim,) or not weight.is_contiguous()):
+        return None
+    rows = x.reshape(-1, dim)  # a view for the row-uniform strides of the norms' inputs
+    if rows.stride(1) != 1:
+        return None
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    native_library().dasc_rmsnorm(rows.data_ptr(), rows.stride(0), rows.shape[0], dim,
+                                  weight.data_ptr(), eps, int(x.dtype == torch.bfloat16),
+                                  int(round_first), out.data_ptr(), int(simd))
+    return out.view(x.shape)

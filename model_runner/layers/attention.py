@@ -7,7 +7,9 @@ batch instead attends over its padded row table in one masked batch (fixed shape
 Prefill runs through ``F.scaled_dot_product_attention`` on every device (torch picks the fused
 kernel the shapes and mask allow, flash attention on CPU too; GQA through ``enable_gqa``): at
 real shapes the explicit softmax was 2.8x slower in fp32 and 100x slower in bf16 on CPU.  A CPU
-decode query (one token) keeps the explicit softmax; CUDA takes SDPA there as well.
+decode query (one token) keeps the explicit softmax: in C over the rows where they lie
+(``split_kv`` caches, ``kernels.cpu_fused.attention_decode``), else in torch over gathered
+copies; CUDA takes SDPA there as well.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_fused import attention_decode
 from model_runner.batch import ForwardBatch
 from model_runner.layers.linear import emulates_bf16
 
@@ -99,6 +102,13 @@ def gather_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.view(*index.shape, *cache.shape[1:])
 
 
+def split_kv(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expand`` of a cache whose rows are [2, Hkv, D] = [K | V]; decode over such a cache
+    takes ``kernels.cpu_fused.attention_decode`` on a CPU, which reads the rows where they lie
+    in the pool (no gathered copy) and gives each sequence the bits it gets alone."""
+    return entries[:, 0], entries[:, 1]
+
+
 def store_kv(batch: ForwardBatch, cache: torch.Tensor, entries: torch.Tensor) -> None:
     """Write the new tokens' KV entries [N, ...] into their pool rows; replays write none."""
     cache[batch.kv_write_index] = entries[batch.replay_tokens :]
@@ -118,6 +128,11 @@ def table_decode_attention(table: torch.Tensor, lens: torch.Tensor, q: torch.Ten
     """One query per sequence over its row table: table [B, C] (columns [len, C) are padding and
     masked), lens [B], q [B, H, D] -> [B, H, Dv]."""
     num_seqs, width = table.shape
+    if expand is split_kv and not q.is_cuda:
+        starts = torch.arange(0, num_seqs * width, width, device=q.device)
+        out = attention_decode(q, cache, table.reshape(-1), starts, lens, scale)
+        if out is not None:
+            return out
     k, v = expand(gather_rows(cache, table.reshape(-1)))  # [B*C, Hkv, D], [B*C, Hkv, Dv]
     num_kv = k.shape[1]
     k = k.view(num_seqs, width, num_kv, -1)
@@ -193,10 +208,17 @@ def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expa
     singles = batch.single_queries
     longer = range(batch.num_seqs)
     parts = []
-    if singles is not None and singles.table is not None:
-        parts.append((singles.rows, table_decode_attention(
-            singles.table, singles.lens, q[singles.rows], cache, expand, scale)))
-        longer = sorted(set(longer) - set(singles.seqs))
+    if singles is not None:
+        single = None
+        if expand is split_kv and not q.is_cuda:
+            single = attention_decode(q[singles.rows], cache, singles.read_rows,
+                                      singles.read_starts, singles.read_lens, scale)
+        if single is None and singles.table is not None:
+            single = table_decode_attention(singles.table, singles.lens, q[singles.rows],
+                                            cache, expand, scale)
+        if single is not None:
+            parts.append((singles.rows, single))
+            longer = sorted(set(longer) - set(singles.seqs))
     for i in longer:
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
         k, v = expand(gather_rows(cache, batch.kv_read_index[i]))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_fused import gated_rmsnorm
+from kernels.cpu_fused import gated_rmsnorm, rmsnorm
 from model_runner.layers.linear import attach_loader, new_param
 from model_runner.ops.derived import derived
 
@@ -29,11 +29,26 @@ class RMSNorm(nn.Module):
         self.weight = attach_loader(new_param(dim, dtype=dtype), {None: None})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == self.weight.dtype:  # one pass in C
+            out = rmsnorm(x, self._fp32_weight(), self.eps, round_first=self._rounds_first)
+            if out is not None:
+                return out
         if self.unit_offset:  # Qwen stores w - 1
             return (_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
         if self.fp32_product:
             return (self.weight * _normalize(x, self.eps)).to(x.dtype)
         return self.weight * _normalize(x, self.eps).to(x.dtype)
+
+    @property
+    def _rounds_first(self) -> bool:
+        """Llama's order rounds x_hat to the model dtype before the weight's product."""
+        return not self.unit_offset and not self.fp32_product
+
+    def _fp32_weight(self) -> torch.Tensor:
+        """The weight as the product applies it, in FP32: (1 + w) with Qwen's offset."""
+        offset = self.unit_offset
+        return derived(self.weight, "_norm_fp32",
+                       lambda w: ((1.0 + w.float()) if offset else w.float()).contiguous())
 
 
 class GatedRMSNorm(nn.Module):

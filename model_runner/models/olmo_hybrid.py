@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from model_runner.config import ModelConfig
-from model_runner.layers.attention import PartialRotary, paged_attention, store_kv
+from model_runner.layers.attention import PartialRotary, paged_attention, split_kv, store_kv
 from model_runner.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -123,7 +123,7 @@ class OlmoAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv, d)
         cache = ctx.kv.caches[self.full_index]  # [rows, 2, Hkv, D]
         store_kv(ctx.batch, cache, torch.stack([k, v], dim=1))
-        o = paged_attention(ctx.batch, q, cache, lambda kv: (kv[:, 0], kv[:, 1]), d**-0.5)
+        o = paged_attention(ctx.batch, q, cache, split_kv, d**-0.5)
         return self.o_proj(o.reshape(n, -1))
 
     @staticmethod

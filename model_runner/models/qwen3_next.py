@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels.cpu_fused import l2norm_qkv
 from model_runner.config import ModelConfig
-from model_runner.layers.attention import PartialRotary, paged_attention, store_kv
+from model_runner.layers.attention import PartialRotary, paged_attention, split_kv, store_kv
 from model_runner.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -128,7 +128,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv, d)
         cache = ctx.kv.caches[self.full_index]  # [rows, 2, Hkv, D]
         store_kv(ctx.batch, cache, torch.stack([k, v], dim=1))
-        o = paged_attention(ctx.batch, q, cache, lambda kv: (kv[:, 0], kv[:, 1]), d**-0.5)
+        o = paged_attention(ctx.batch, q, cache, split_kv, d**-0.5)
         o = o.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(o)
 
