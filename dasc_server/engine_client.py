@@ -140,7 +140,12 @@ class EngineClient:
             if not fut.done():
                 fut.set_result(msg)
 
-    def _fail_all(self, reason: str) -> None:
+    def expire(self, reason: str) -> None:
+        """End every request in flight with ``reason`` (the drain's deadline passed): streams
+        get an error frame and ``[DONE]``, the rest an error response; nothing new is taken."""
+        self._fail_all(reason, lost=False)
+
+    def _fail_all(self, reason: str, lost: bool = True) -> None:
         if self.dead is not None:
             return
         self.dead = reason
@@ -149,5 +154,5 @@ class EngineClient:
         for fut in (f for waiting in self._waiters.values() for f in waiting):
             if not fut.done():
                 fut.set_exception(EngineDead(reason))
-        if self.on_lost is not None:
+        if lost and self.on_lost is not None:
             self.on_lost(reason)

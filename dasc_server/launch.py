@@ -11,8 +11,13 @@ device, a child that dies before the server is ready.  The children's own ``erro
 held back and folded into that one line; the rest of their stderr passes through.
 
 SIGINT (Ctrl-C) and SIGTERM stop the server quietly with exit 0: in-flight requests finish,
-then the scheduler stops the ranks.  The children start with SIGINT ignored, so a Ctrl-C in
-the terminal, which reaches the whole process group, is handled by this process alone.
+then the scheduler stops the ranks.  The children start with SIGINT and SIGTERM ignored, so a
+signal sent to the whole process group (a terminal's Ctrl-C; systemd's default
+``KillMode=control-group``, ``docker stop`` on a shell entrypoint, ``kill -TERM -- -PGID``) is
+handled by this process alone, and the children keep serving the requests that drain.  A
+request still running when ``--shutdown-timeout`` expires ends with an error (a streamed one
+with an error frame and ``[DONE]``).  Children that do not stop when told get SIGHUP, then
+SIGKILL.
 """
 
 from __future__ import annotations
@@ -80,15 +85,20 @@ class ChildErrors:
         return f"{what}: {self.lines[0]}" if self.lines else what
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # this process's to handle, never a child's
+
+
 def _spawn(cmd: list[str], env: dict[str, str], errors: ChildErrors,
            pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-    """Start a child with SIGINT ignored (inherited through exec; Python keeps it ignored)."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Start a child with ``STOP_SIGNALS`` ignored (inherited through exec; Python keeps them
+    ignored, and ``quiet_torchrun`` leaves them to this process)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     try:
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True,
                                 errors="replace", bufsize=1, pass_fds=pass_fds)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return errors.relay(proc)
 
 
@@ -168,7 +178,8 @@ def _dead_child(children: dict[str, subprocess.Popen]) -> str | None:
 
 def stop_children(children: dict[str, subprocess.Popen], conn) -> None:
     """With a scheduler connection, ask the scheduler to stop the ranks (10 s); without one
-    (still starting), terminate at once."""
+    (still starting), at once.  A child still running then gets SIGHUP (they ignore SIGTERM;
+    torchrun stops its ranks on SIGHUP), and 5 s later SIGKILL."""
     if conn is not None:
         try:
             ipc.send(conn, Shutdown())
@@ -179,7 +190,7 @@ def stop_children(children: dict[str, subprocess.Popen], conn) -> None:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.terminate()
+            proc.send_signal(signal.SIGHUP)
     for proc in children.values():
         try:
             proc.wait(timeout=5)
@@ -214,6 +225,9 @@ def preload_tokenizer(args: argparse.Namespace) -> Future:
     return future
 
 
+EXPIRED_GRACE_S = 5.0  # after --shutdown-timeout: the expired requests' last frames go out
+
+
 def serve(args: argparse.Namespace, conn, info: ServerInfo,
           children: dict[str, subprocess.Popen], sock: socket.socket,
           tokenizer: Future) -> str | None:
@@ -229,20 +243,32 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
     options = FrontEndOptions(args.api_key, args.max_request_bytes, args.max_queued_requests)
     app = create_app(engine, tokenizer.result(), name, options)
+    expired = f"the server is shutting down (--shutdown-timeout {args.shutdown_timeout:g} s)"
+
     class Server(uvicorn.Server):
         """uvicorn re-raises a caught SIGINT/SIGTERM once it has shut down, which would kill
         this process before it stops the scheduler and the ranks; here a signal is a normal
-        stop."""
+        stop.  The first one also sets the drain's deadline: then the requests still running
+        end with an error (``EngineClient.expire``), a stream with an error frame and
+        ``[DONE]``, within uvicorn's own limit (which would cut them mid-stream)."""
+
+        loop: asyncio.AbstractEventLoop | None = None
+        deadline_set = False
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+            if self.loop is not None and not self.deadline_set:
+                self.deadline_set = True
+                self.loop.call_soon_threadsafe(self.loop.call_later, args.shutdown_timeout,
+                                               engine.expire, expired)
 
     # httptools and uvloop, not h11 and asyncio's loop: the front end shares the CPUs with the
     # ranks, and these cut its CPU per streamed hit by about a quarter (0.90-1.35 -> 0.79-1.03
     # ms; docs/results/serving.md, the per-request cost of a hit)
-    server = Server(uvicorn.Config(app, log_level="warning", http="httptools",
-                                   timeout_graceful_shutdown=args.shutdown_timeout))
+    server = Server(uvicorn.Config(
+        app, log_level="warning", http="httptools",
+        timeout_graceful_shutdown=args.shutdown_timeout + EXPIRED_GRACE_S))
 
     def watch() -> None:
         while not server.should_exit:
@@ -252,7 +278,8 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
             time.sleep(0.2)
 
     async def run() -> None:
-        engine.start(asyncio.get_running_loop())
+        server.loop = asyncio.get_running_loop()
+        engine.start(server.loop)
         threading.Thread(target=watch, name="child-watch", daemon=True).start()
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():

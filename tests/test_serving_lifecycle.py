@@ -1,19 +1,24 @@
-"""dasc-serve as one command: SIGTERM and Ctrl-C stop every process it started, quietly; a
-child that dies ends the server with a non-zero exit and one error line naming it; bad
-arguments and taken ports fail before any model loads."""
+"""dasc-serve as one command: SIGTERM and Ctrl-C stop every process it started, quietly, after
+draining the requests in flight (to ``--shutdown-timeout``), whether the signal reaches the
+launcher alone or its whole process group; a child that dies ends the server with a non-zero
+exit and one error line naming it; bad arguments and taken ports fail before any model
+loads."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
 from process_helpers import children_of, children_running, wait_group_gone
-from serving import KIMI, running_server
+from serving import KIMI, QWEN, running_server
 
 from dasc_server import launch
 from dasc_server.spawn import descendants
@@ -234,3 +239,64 @@ def test_step_target_derives_the_prefill_budget_from_the_ranks_measurement():
         info = httpx.get(server.base_url + "/server_info", timeout=30).json()
         assert info["chunked_prefill_size"] % 64 == 0 and info["chunked_prefill_size"] > 64
         assert server.complete([65, 66, 67], max_tokens=2)["choices"][0]["token_ids"]
+
+
+def _stream(server, max_tokens: int, lines: list[str], first: threading.Event) -> None:
+    """A greedy streamed completion that ignores EOS; its SSE data lines go into ``lines``."""
+    body = {"prompt": [65, 66, 67], "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[len("data: "):])
+                first.set()
+    first.set()
+
+
+def _stream_then_signal(server, max_tokens: int) -> tuple[list[str], int]:
+    """Start a stream, SIGTERM the launcher's whole process group once its first frame is in
+    (as systemd, ``docker stop`` on a shell entrypoint or ``kill -TERM -- -PGID`` do), and
+    return (its data lines, how many had arrived when the signal went)."""
+    lines: list[str] = []
+    first = threading.Event()
+    reader = threading.Thread(target=_stream, args=(server, max_tokens, lines, first))
+    reader.start()
+    assert first.wait(60)
+    at_signal = len(lines)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    reader.join(60)
+    assert not reader.is_alive()
+    return lines, at_signal
+
+
+def test_sigterm_to_the_whole_group_drains_the_streams_in_flight():
+    """Every process gets the SIGTERM: the children ignore it, the launcher drains the stream
+    to its end (every token, the usage chunk, ``[DONE]``), then stops them and exits 0."""
+    with running_server("--model", str(QWEN), "--tp", "2") as server:
+        below = descendants(server.proc.pid)
+        lines, at_signal = _stream_then_signal(server, max_tokens=400)
+        assert wait_exit(server.proc, 60) == 0
+        wait_gone(below)
+        assert_quiet(server.log().split("\n", 1)[1])
+    assert at_signal < len(lines) - 2  # frames kept coming after the signal
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert not any("error" in c for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 400
+
+
+def test_a_stream_past_the_shutdown_timeout_ends_with_an_error_frame():
+    """A stream still running when ``--shutdown-timeout`` expires gets an error frame and
+    ``[DONE]`` (not a cut connection), and the server exits 0 without a traceback."""
+    with running_server("--model", str(QWEN), "--shutdown-timeout", "1") as server:
+        below = descendants(server.proc.pid)
+        started = time.monotonic()
+        lines, _ = _stream_then_signal(server, max_tokens=4000)
+        assert time.monotonic() - started < 30
+        assert wait_exit(server.proc, 30) == 0
+        wait_gone(below)
+        assert_quiet(server.log().split("\n", 1)[1])
+    assert lines[-1] == "[DONE]"
+    last = json.loads(lines[-2])
+    assert "shutting down" in last["error"]["message"]
