@@ -8,6 +8,8 @@
 - ``silu_mul``: a dense MLP's ``silu(gate) * up`` from the gate-up projection's output;
 - ``rmsnorm``: an RMS norm of rows in the roundings of each architecture (``layers/norm.py``'s
   ``RMSNorm`` is the torch form);
+- ``moe_decode``: the routed experts of a decode step's few tokens, each used expert's weights
+  streamed once (``layers/mlp.py``'s ``_routed_experts`` is the torch form);
 - ``attention_decode``: one query token per sequence over its KV rows where they lie in the
   pool (``layers/attention.py``'s ``_decode_each`` is the torch form), no gathered copy.
 
@@ -36,6 +38,7 @@ _SIGNATURES = {
     "dasc_attention_decode": (PTR, PTR, I64, I64, PTR, PTR, PTR, I64, I64, I64, I64, F32, I64,
                               PTR, I64),
     "dasc_rmsnorm": (PTR, I64, I64, I64, PTR, F32, I64, I64, PTR, I64),
+    "dasc_moe_decode": (PTR, I64, I64, I64, PTR, PTR, I64, PTR, PTR, I64, PTR, I64),
     "dasc_fused_simd": (),
 }
 
@@ -44,7 +47,8 @@ _SIGNATURES = {
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "cpu_fused", _SIGNATURES, "the fused CPU activation kernels",
                         returns={"dasc_fused_simd": ctypes.c_int,
-                                 "dasc_attention_decode": ctypes.c_int})
+                                 "dasc_attention_decode": ctypes.c_int,
+                                 "dasc_moe_decode": ctypes.c_int})
 
 
 @cache
@@ -155,3 +159,34 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool
                                   weight.data_ptr(), eps, int(x.dtype == torch.bfloat16),
                                   int(round_first), out.data_ptr(), int(simd))
     return out.view(x.shape)
+
+
+MOE_DECODE_MAX_TOKENS = 8  # its per-token sums stay in the first two cache levels
+
+
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+               w2: torch.Tensor, simd: bool = True) -> torch.Tensor | None:
+    """x [T, H] routed to experts ``ids`` [T, k] (int64) with ``weights`` [T, k] through
+    w13 [E, H, 2I] and w2 [E, I, H] (input-major, x's dtype) -> the weighted sum [T, H] in x's
+    dtype, rounded where the routed form rounds; None where it does not run (more than
+    ``MOE_DECODE_MAX_TOKENS`` tokens, other dtypes or layouts).  Raises IndexError for an
+    expert id outside [0, E) (the C code trusts them)."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[1]
+    if (not 0 < num_tokens <= MOE_DECODE_MAX_TOKENS
+            or x.dtype not in (torch.bfloat16, torch.float32)
+            or any(t.dtype != x.dtype for t in (weights, w13, w2))
+            or w13.shape != (num_experts, hidden, 2 * inter) or w2.shape[2] != hidden
+            or ids.dtype != torch.long or ids.shape != weights.shape or ids.shape[0] != num_tokens
+            or not all(t.is_contiguous() for t in (w13, w2))
+            or not _runs(hidden, simd, x, w13, w2) or (simd and inter % 16)):
+        return None
+    if int(ids.min()) < 0 or int(ids.max()) >= num_experts:
+        raise IndexError(f"expert ids outside [0, {num_experts})")
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    out = torch.zeros_like(x)
+    failed = native_library().dasc_moe_decode(
+        x.data_ptr(), num_tokens, hidden, inter, ids.data_ptr(), weights.data_ptr(),
+        ids.shape[1], w13.data_ptr(), w2.data_ptr(), int(x.dtype == torch.bfloat16),
+        out.data_ptr(), int(simd))
+    return None if failed else out

@@ -17,6 +17,8 @@
  *
  * dasc_rmsnorm: the hidden-state and per-head RMS norms (layers/norm.py's RMSNorm).
  *
+ * dasc_moe_decode: the routed experts of a decode step's few tokens (described above it).
+ *
  * dasc_attention_decode: one query token per sequence over its KV rows where they lie in the
  * pool (described above it).
  *
@@ -568,6 +570,139 @@ int dasc_attention_decode(const void *q, const void *cache, int64_t row_stride, 
                          (char *)out + first * elem);
         }
     free(s);
+    return 0;
+}
+
+/* The routed experts of a few tokens (decode), each used expert's weights streamed once, in
+ * order, from their input-major storage: w13 [E, H, 2I] ([gate | up] columns), w2 [E, I, H].
+ * Token t's pair (e, weight), pairs in ascending e (layers/mlp.py's `_routed_experts`):
+ *
+ *     gu = round(x_t W13[e]);  act = round(round(silu(gu[:I])) * gu[I:])
+ *     out_t = round(out_t + round(round(act W2[e]) * weight))
+ *
+ * Each product accumulates its input rows in order, one fma per row and output (the AVX-512
+ * and portable forms give the same bits); oneDNN's GEMMs sum in another order. */
+static void expert_rows_portable(const float *in, int64_t m, int64_t rows, int64_t cols,
+                                 const void *w, int bf16, float *acc) {
+    for (int64_t a = 0; a < m * cols; ++a)
+        acc[a] = 0.0f;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t c = 0; c < cols; ++c)
+                acc[i * cols + c] = fmaf(in[i * rows + r], load_elem(w, r * cols + c, bf16),
+                                         acc[i * cols + c]);
+}
+
+#ifdef HAVE_X86
+/* acc [m, cols] = in [m, rows] @ w [rows, cols]: w read once, four rows at a time (one load
+ * and store of each sum per four rows; the fmas still run row by row, in order). */
+AVX512 static void expert_rows_avx512(const float *in, int64_t m, int64_t rows, int64_t cols,
+                                      const void *w, int bf16, float *acc) {
+    for (int64_t a = 0; a < m * cols; a += 16)
+        _mm512_storeu_ps(acc + a, _mm512_setzero_ps());
+    const int64_t elem = bf16 ? 2 : 4, step = cols * elem;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const char *row = (const char *)w + r * step;
+        for (int64_t c = 0; c < cols; c += 16) {
+            if (r + 8 <= rows) /* the next four rows' lines, while these four are summed */
+                for (int64_t k = 4; k < 8; ++k)
+                    _mm_prefetch(row + k * step + c * elem, _MM_HINT_T0);
+            const __m512 w0 = load16(row, c, bf16), w1 = load16(row + step, c, bf16);
+            const __m512 w2 = load16(row + 2 * step, c, bf16);
+            const __m512 w3 = load16(row + 3 * step, c, bf16);
+            for (int64_t i = 0; i < m; ++i) {
+                const float *x = in + i * rows + r;
+                float *a = acc + i * cols + c;
+                __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(x[0]), w0, _mm512_loadu_ps(a));
+                v = _mm512_fmadd_ps(_mm512_set1_ps(x[1]), w1, v);
+                v = _mm512_fmadd_ps(_mm512_set1_ps(x[2]), w2, v);
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(x[3]), w3, v));
+            }
+        }
+    }
+    for (; r < rows; ++r) {
+        const char *row = (const char *)w + r * step;
+        for (int64_t c = 0; c < cols; c += 16) {
+            const __m512 wv = load16(row, c, bf16);
+            for (int64_t i = 0; i < m; ++i) {
+                float *a = acc + i * cols + c;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(in[i * rows + r]), wv,
+                                                    _mm512_loadu_ps(a)));
+            }
+        }
+    }
+}
+#endif
+
+int dasc_moe_decode(const void *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
+                    const void *weights, int64_t k, const void *w13, const void *w2,
+                    int64_t bf16, void *out, int64_t simd) {
+    const int b = (int)bf16;
+    const int64_t elem = bf16 ? 2 : 4, G = 2 * I;
+#ifdef HAVE_X86
+    const int fast = simd_ok(H, simd) && simd_ok(I, simd);
+#else
+    const int fast = 0;
+    (void)simd;
+#endif
+    /* per token of an expert: its input [H] and gate-up sums [2I], then act [I], sums [H] */
+    float *buf = malloc(sizeof(float) * (size_t)(T * (H + G + I + H)));
+    int64_t *tok = malloc(sizeof(int64_t) * (size_t)(2 * T + 1));
+    if (!buf || !tok) {
+        free(buf);
+        free(tok);
+        return -1;
+    }
+    float *xin = buf, *gu = xin + T * H, *act = gu + T * G, *hs = act + T * I;
+    int64_t *slot = tok + T, last = -1;
+    for (;;) { /* the next expert above `last` that a token routes to */
+        int64_t e = -1;
+        for (int64_t a = 0; a < T * k; ++a)
+            if (ids[a] > last && (e < 0 || ids[a] < e))
+                e = ids[a];
+        if (e < 0)
+            break;
+        last = e;
+        int64_t m = 0;
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < k; ++j)
+                if (ids[t * k + j] == e) {
+                    tok[m] = t;
+                    slot[m++] = j;
+                }
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t h = 0; h < H; ++h)
+                xin[i * H + h] = load_elem(x, tok[i] * H + h, b);
+        const char *we13 = (const char *)w13 + e * H * G * elem;
+        const char *we2 = (const char *)w2 + e * I * H * elem;
+#ifdef HAVE_X86
+        if (fast)
+            expert_rows_avx512(xin, m, H, G, we13, b, gu);
+        else
+#endif
+            expert_rows_portable(xin, m, H, G, we13, b, gu);
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t c = 0; c < I; ++c) {
+                const float g = round_to(gu[i * G + c], b), u = round_to(gu[i * G + I + c], b);
+                act[i * I + c] = round_to(round_to(silu1(g), b) * u, b);
+            }
+#ifdef HAVE_X86
+        if (fast)
+            expert_rows_avx512(act, m, I, H, we2, b, hs);
+        else
+#endif
+            expert_rows_portable(act, m, I, H, we2, b, hs);
+        for (int64_t i = 0; i < m; ++i) {
+            const float wgt = load_elem(weights, tok[i] * k + slot[i], b);
+            for (int64_t h = 0; h < H; ++h) {
+                const float y = round_to(round_to(hs[i * H + h], b) * wgt, b);
+                store_elem(out, tok[i] * H + h, load_elem(out, tok[i] * H + h, b) + y, b);
+            }
+        }
+    }
+    free(buf);
+    free(tok);
     return 0;
 }
 

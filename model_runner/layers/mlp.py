@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_fused import silu_mul
+from kernels.cpu_fused import moe_decode, silu_mul
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import (
     ColumnParallelLinear,
@@ -218,21 +218,31 @@ class SparseMoE(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:  # x: [N, hidden]
-        """``is_static``: a graph-safe form for fixed-shape decode (fixed shapes, no host sync):
+        """A bf16 CPU step of a few tokens (decode) takes ``kernels.cpu_fused.moe_decode``: the
+        routed form's roundings, each used expert's weights streamed once, no per-expert calls.
+        ``is_static``: a graph-safe form for fixed-shape decode (fixed shapes, no host sync):
         each token gathers its routed experts' weights while few tokens route
         (``uses_gathered_experts``), else one grouped GEMM per projection (every expert on
         every token where that cannot run); otherwise the routed form (grouped by a host-side
         sort) or the grouped one, as ``expert_form`` chooses."""
         weights, ids = self.route(x)
-        out = torch.zeros_like(x)
-        form = expert_form(x.shape[0], self.cfg, x.device.type, is_static,
-                           grouped_mm_runs(x, self.w13, self.w2),
-                           emulates_bf16(self.w13) or self.packs_bf16)
-        getattr(self, f"_{form}_experts")(x, weights, ids, out)
+        out = None
+        if not is_static and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            out = moe_decode(x, ids, weights, self.w13, self.w2)  # a decode step's few tokens
+        if out is None:
+            out = torch.zeros_like(x)
+            self._experts(x, weights, ids, out, is_static)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return self.tp.all_reduce(out + shared)
+
+    def _experts(self, x, weights, ids, out, is_static: bool) -> None:
+        """The routed experts' weighted sum into ``out``, in the form ``expert_form`` picks."""
+        form = expert_form(x.shape[0], self.cfg, x.device.type, is_static,
+                           grouped_mm_runs(x, self.w13, self.w2),
+                           emulates_bf16(self.w13) or self.packs_bf16)
+        getattr(self, f"_{form}_experts")(x, weights, ids, out)
 
     def pack_weights(self) -> int:
         """``pack_gemms``: packed copies of each expert's [out, in] views, for its GEMMs of two
