@@ -1,4 +1,4 @@
-"""The routed experts of a decode step in C (``kernels.cpu_fused.moe_decode``) against the torch
+"""The experts of a decode step in C (``kernels.cpu_fused.moe_decode``) against the torch
 routed form (``SparseMoE._routed_experts``):
 - bf16: at most one bf16 unit in the last place from the routed form, on under 1 % of the
   values (each product sums its input rows in order, oneDNN's GEMMs in another);
@@ -100,3 +100,23 @@ def test_declines_what_it_does_not_run():
     assert moe_decode(x, ids, weights, layer.w13.transpose(1, 2), layer.w2) is None
     with torch.enable_grad():
         assert moe_decode(x, ids, weights, layer.w13, layer.w2) is None
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["qwen-gate", "no-gate"])
+@torch.inference_mode()
+def test_the_shared_expert_is_added_last(gated):
+    """The shared expert (stored input-major by ``DenseMLP.input_major``) goes in after the
+    routed experts with its gate's weight (1 without a gate): ``round(routed + shared)``, as
+    ``SparseMoE.forward`` adds them; the AVX-512 and portable forms agree bit for bit."""
+    layer = moe("gdn", 8, 2).to(torch.bfloat16)
+    x, weights, ids = _inputs(layer, 3, seed=2)
+    gate = torch.sigmoid(layer.shared_expert_gate(x)) if gated else None
+    shared = (*layer.shared_expert.input_major(), gate)
+    got = moe_decode(x, ids, weights, layer.w13, layer.w2, shared, simd=simd_available())
+    dense = layer.shared_expert(x)
+    want = run(layer, "routed", x) + (gate * dense if gated else dense)
+    assert int(_ulps_bf16(got, want).max()) <= 1
+    assert float((got != want).float().mean()) < 0.01
+    if simd_available():
+        assert torch.equal(got, moe_decode(x, ids, weights, layer.w13, layer.w2, shared,
+                                           simd=False))

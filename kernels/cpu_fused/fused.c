@@ -573,9 +573,10 @@ int dasc_attention_decode(const void *q, const void *cache, int64_t row_stride, 
     return 0;
 }
 
-/* The routed experts of a few tokens (decode), each used expert's weights streamed once, in
- * order, from their input-major storage: w13 [E, H, 2I] ([gate | up] columns), w2 [E, I, H].
- * Token t's pair (e, weight), pairs in ascending e (layers/mlp.py's `_routed_experts`):
+/* The experts of a few tokens (decode), each used expert's weights streamed once, in order,
+ * from their input-major storage: w13 [E, H, 2I] ([gate | up] columns), w2 [E, I, H].  Token
+ * t's pair (e, weight), pairs in ascending e (layers/mlp.py's `_routed_experts`), then the
+ * shared expert with its gate's weight:
  *
  *     gu = round(x_t W13[e]);  act = round(round(silu(gu[:I])) * gu[I:])
  *     out_t = round(out_t + round(round(act W2[e]) * weight))
@@ -635,27 +636,68 @@ AVX512 static void expert_rows_avx512(const float *in, int64_t m, int64_t rows, 
 }
 #endif
 
+/* One expert over m of the tokens: token tok[i] with weight load_elem(wsrc, wat[i]) (1 when
+ * wsrc is NULL); w13 [H, 2I], w2 [I, H].  buf: FP32 scratch of m * (2H + 3I). */
+static void expert_pass(const void *x, const int64_t *tok, const void *wsrc, const int64_t *wat,
+                        int64_t m, int64_t H, int64_t I, const void *w13, const void *w2, int b,
+                        int fast, float *buf, void *out) {
+    const int64_t G = 2 * I;
+    float *xin = buf, *gu = xin + m * H, *act = gu + m * G, *hs = act + m * I;
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t h = 0; h < H; ++h)
+            xin[i * H + h] = load_elem(x, tok[i] * H + h, b);
+#ifdef HAVE_X86
+    if (fast)
+        expert_rows_avx512(xin, m, H, G, w13, b, gu);
+    else
+#endif
+        expert_rows_portable(xin, m, H, G, w13, b, gu);
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t c = 0; c < I; ++c) {
+            const float g = round_to(gu[i * G + c], b), u = round_to(gu[i * G + I + c], b);
+            act[i * I + c] = round_to(round_to(silu1(g), b) * u, b);
+        }
+#ifdef HAVE_X86
+    if (fast)
+        expert_rows_avx512(act, m, I, H, w2, b, hs);
+    else
+#endif
+        expert_rows_portable(act, m, I, H, w2, b, hs);
+    (void)fast;
+    for (int64_t i = 0; i < m; ++i) {
+        const float wgt = wsrc ? load_elem(wsrc, wat[i], b) : 1.0f;
+        for (int64_t h = 0; h < H; ++h) {
+            const float y = round_to(round_to(hs[i * H + h], b) * wgt, b);
+            store_elem(out, tok[i] * H + h, load_elem(out, tok[i] * H + h, b) + y, b);
+        }
+    }
+}
+
+/* x [T, H]; ids, weights [T, k]; w13 [E, H, 2I], w2 [E, I, H]; then, where shared13 is not
+ * NULL, the shared expert (shared13 [H, 2Is], shared2 [Is, H]) over every token with weight
+ * shared_weights[t] (1 where NULL), added last: out = round(routed + shared), as
+ * SparseMoE.forward adds them.  out [T, H] starts at zero.  Returns 0, or -1 when the scratch
+ * could not be allocated (nothing written). */
 int dasc_moe_decode(const void *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
                     const void *weights, int64_t k, const void *w13, const void *w2,
-                    int64_t bf16, void *out, int64_t simd) {
+                    const void *shared13, const void *shared2, int64_t Is,
+                    const void *shared_weights, int64_t bf16, void *out, int64_t simd) {
     const int b = (int)bf16;
-    const int64_t elem = bf16 ? 2 : 4, G = 2 * I;
+    const int64_t elem = bf16 ? 2 : 4, widest = Is > I ? Is : I;
 #ifdef HAVE_X86
-    const int fast = simd_ok(H, simd) && simd_ok(I, simd);
+    const int fast = simd_ok(H, simd) && simd_ok(I, simd) && (!shared13 || simd_ok(Is, simd));
 #else
     const int fast = 0;
     (void)simd;
 #endif
-    /* per token of an expert: its input [H] and gate-up sums [2I], then act [I], sums [H] */
-    float *buf = malloc(sizeof(float) * (size_t)(T * (H + G + I + H)));
+    float *buf = malloc(sizeof(float) * (size_t)(T * (2 * H + 3 * widest)));
     int64_t *tok = malloc(sizeof(int64_t) * (size_t)(2 * T + 1));
     if (!buf || !tok) {
         free(buf);
         free(tok);
         return -1;
     }
-    float *xin = buf, *gu = xin + T * H, *act = gu + T * G, *hs = act + T * I;
-    int64_t *slot = tok + T, last = -1;
+    int64_t *at = tok + T, last = -1;
     for (;;) { /* the next expert above `last` that a token routes to */
         int64_t e = -1;
         for (int64_t a = 0; a < T * k; ++a)
@@ -665,41 +707,18 @@ int dasc_moe_decode(const void *x, int64_t T, int64_t H, int64_t I, const int64_
             break;
         last = e;
         int64_t m = 0;
+        for (int64_t a = 0; a < T * k; ++a)
+            if (ids[a] == e) {
+                tok[m] = a / k;
+                at[m++] = a;
+            }
+        expert_pass(x, tok, weights, at, m, H, I, (const char *)w13 + e * H * 2 * I * elem,
+                    (const char *)w2 + e * I * H * elem, b, fast, buf, out);
+    }
+    if (shared13) {
         for (int64_t t = 0; t < T; ++t)
-            for (int64_t j = 0; j < k; ++j)
-                if (ids[t * k + j] == e) {
-                    tok[m] = t;
-                    slot[m++] = j;
-                }
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t h = 0; h < H; ++h)
-                xin[i * H + h] = load_elem(x, tok[i] * H + h, b);
-        const char *we13 = (const char *)w13 + e * H * G * elem;
-        const char *we2 = (const char *)w2 + e * I * H * elem;
-#ifdef HAVE_X86
-        if (fast)
-            expert_rows_avx512(xin, m, H, G, we13, b, gu);
-        else
-#endif
-            expert_rows_portable(xin, m, H, G, we13, b, gu);
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t c = 0; c < I; ++c) {
-                const float g = round_to(gu[i * G + c], b), u = round_to(gu[i * G + I + c], b);
-                act[i * I + c] = round_to(round_to(silu1(g), b) * u, b);
-            }
-#ifdef HAVE_X86
-        if (fast)
-            expert_rows_avx512(act, m, I, H, we2, b, hs);
-        else
-#endif
-            expert_rows_portable(act, m, I, H, we2, b, hs);
-        for (int64_t i = 0; i < m; ++i) {
-            const float wgt = load_elem(weights, tok[i] * k + slot[i], b);
-            for (int64_t h = 0; h < H; ++h) {
-                const float y = round_to(round_to(hs[i * H + h], b) * wgt, b);
-                store_elem(out, tok[i] * H + h, load_elem(out, tok[i] * H + h, b) + y, b);
-            }
-        }
+            tok[t] = at[t] = t;
+        expert_pass(x, tok, shared_weights, at, T, H, Is, shared13, shared2, b, fast, buf, out);
     }
     free(buf);
     free(tok);

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_fused import moe_decode, silu_mul
+from kernels.cpu_fused import MOE_DECODE_MAX_TOKENS, moe_decode, silu_mul
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import (
     ColumnParallelLinear,
@@ -25,6 +25,7 @@ from model_runner.layers.linear import (
     packed_bytes,
     rank_slice,
 )
+from model_runner.ops.derived import derived
 from model_runner.parallel import TPGroup
 
 
@@ -113,6 +114,13 @@ class DenseMLP(nn.Module):
         index = _intermediate_index(intermediate, tp, field)
         self.gate_up_proj = ColumnParallelLinear(hidden, {0: index, 1: index}, dtype)
         self.down_proj = RowParallelLinear(index, hidden, tp, dtype, reduce=reduce)
+
+    def input_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights stored input-major ([H, 2I] gate | up, [I, H]) as ``SparseMoE``'s experts
+        are, for ``moe_decode``'s shared expert; copies made once and kept while the weights
+        are unchanged."""
+        return (derived(self.gate_up_proj.weight, "_input_major", lambda w: w.t().contiguous()),
+                derived(self.down_proj.weight, "_input_major", lambda w: w.t().contiguous()))
 
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:
         """``is_static`` is accepted for symmetry with ``SparseMoE`` (this path is always
@@ -218,20 +226,25 @@ class SparseMoE(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:  # x: [N, hidden]
-        """A bf16 CPU step of a few tokens (decode) takes ``kernels.cpu_fused.moe_decode``: the
-        routed form's roundings, each used expert's weights streamed once, no per-expert calls.
+        """A bf16 CPU step of a few tokens (decode) takes ``kernels.cpu_fused.moe_decode``, the
+        shared expert included: the torch forms' roundings, each used expert's weights streamed
+        once, no per-expert calls.
         ``is_static``: a graph-safe form for fixed-shape decode (fixed shapes, no host sync):
         each token gathers its routed experts' weights while few tokens route
         (``uses_gathered_experts``), else one grouped GEMM per projection (every expert on
         every token where that cannot run); otherwise the routed form (grouped by a host-side
         sort) or the grouped one, as ``expert_form`` chooses."""
         weights, ids = self.route(x)
-        out = None
-        if not is_static and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            out = moe_decode(x, ids, weights, self.w13, self.w2)  # a decode step's few tokens
-        if out is None:
-            out = torch.zeros_like(x)
-            self._experts(x, weights, ids, out, is_static)
+        if (not is_static and x.shape[0] <= MOE_DECODE_MAX_TOKENS
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+            gate = (torch.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate
+                    is not None else None)
+            both = moe_decode(x, ids, weights, self.w13, self.w2,
+                              (*self.shared_expert.input_major(), gate))
+            if both is not None:  # a decode step's few tokens
+                return self.tp.all_reduce(both)
+        out = torch.zeros_like(x)
+        self._experts(x, weights, ids, out, is_static)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
