@@ -43,10 +43,10 @@ from dasc_server.guards import Guards
 from dasc_server.jobs import Choice, Job
 from dasc_server.json_response import complete_body, finished_before_disconnect
 from dasc_server.metrics import CONTENT_TYPE, Metrics
-from dasc_server.native import add_native_routes
 from dasc_server.reasoning import ReasoningStream, has_reasoning_format, prompt_opens_reasoning
 from dasc_server.request_checks import check_model, check_prompt
 from dasc_server.request_errors import RequestError, error_body, validation_error_body
+from dasc_server.sglang_routes import add_native_routes
 from dasc_server.sse_response import sse_frames
 from dasc_server.structured import response_format_grammar
 from dasc_server.tokenize_routes import add_tokenize_routes

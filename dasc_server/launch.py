@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from dasc_server.flags import parse_args, serve_config, validate
-from model_runner.launch import exit_now
+from model_runner.processes import exit_now
 from scheduler import ipc
 from scheduler.messages import ServerInfo, Shutdown
 from scheduler.serve_config import ServeConfig

@@ -25,7 +25,7 @@ import aiohttp
 
 from client.cli_help import DefaultsHelpFormatter
 from loadgen.phases import phase_dataset, plan_phases, run_phases
-from loadgen.runner import Progress, run_sequential, run_window
+from loadgen.sender import Progress, run_sequential, run_window
 from loadgen.stream import ServerAdmin, make_client, url_path
 from loadgen.summary import format_table, summarize
 from loadgen.workload import (

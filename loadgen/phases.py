@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from loadgen.runner import Progress, Window, run_window
+from loadgen.sender import Progress, Window, run_window
 from loadgen.stream import RequestResult, ServerAdmin
 from loadgen.summary import summarize
 from loadgen.workload import Request, random_ids

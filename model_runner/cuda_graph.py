@@ -31,7 +31,7 @@ import torch
 
 from model_runner.batch import ForwardBatch, SeqInput, kv_rows
 from model_runner.models.common import HybridForCausalLM, StepContext
-from model_runner.pools import KVPool, StatePool
+from model_runner.rank_memory import KVPool, StatePool
 
 MIN_CONTEXT = 256
 TOKEN, POSITION, SLOT = range(3)

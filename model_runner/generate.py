@@ -13,7 +13,7 @@ from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
 from model_runner.config import DEFAULT_MODEL
-from model_runner.launch import is_first_rank, is_rank_process, relaunch
+from model_runner.processes import is_first_rank, is_rank_process, relaunch
 
 
 def build_parser() -> argparse.ArgumentParser:

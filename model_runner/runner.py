@@ -26,7 +26,7 @@ from model_runner.loader import build_model, load_weights
 from model_runner.model_files import check_tp
 from model_runner.models.common import StepContext
 from model_runner.parallel import TPGroup
-from model_runner.pools import KVPool, RequestState, StatePool
+from model_runner.rank_memory import KVPool, RequestState, StatePool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -32,8 +32,8 @@ from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cpu_features import emulated_bf16_note
 from model_runner.grammar import TokenizerCache
-from model_runner.launch import exit_now
 from model_runner.parallel import TPGroup, init_tp_group, rank_device, shutdown_tp_group
+from model_runner.processes import exit_now
 from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs

@@ -30,7 +30,7 @@ import heapq
 import itertools
 
 from scheduler.ckpt_eviction import CKPT_EVICTIONS, by_value
-from scheduler.pools import IndexPool
+from scheduler.index_pool import IndexPool
 from scheduler.radix_node import InsertResult, MatchResult, Node, common_prefix
 
 

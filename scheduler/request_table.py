@@ -13,11 +13,11 @@ from __future__ import annotations
 import random
 from collections import deque
 
+from scheduler.index_pool import IndexPool
 from scheduler.messages import Counters, SamplingParams, TokenOut
-from scheduler.pools import IndexPool
 from scheduler.radix_cache import RadixCache
+from scheduler.refusals import check_request
 from scheduler.request import Req
-from scheduler.request_checks import check_request
 from scheduler.scheduler_config import SchedulerConfig
 
 

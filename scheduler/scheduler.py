@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import replace
 
 from scheduler.admission import check_admission
+from scheduler.index_pool import IndexPool
 from scheduler.messages import Counters, SamplingParams, TokenOut
-from scheduler.pools import IndexPool
 from scheduler.radix_cache import RadixCache
 from scheduler.rank_messages import BatchPlan, StepResult
 from scheduler.request import Req

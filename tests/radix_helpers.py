@@ -3,7 +3,7 @@ ranks: building a cache, inserting as a caller must, walking the tree, prefix id
 
 from __future__ import annotations
 
-from scheduler.pools import IndexPool
+from scheduler.index_pool import IndexPool
 from scheduler.radix_cache import Node, RadixCache
 
 

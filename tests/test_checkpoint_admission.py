@@ -11,7 +11,7 @@ from fake_ranks import boundaries, tree_ckpts
 from scheduler_helpers import Loop, make, random_tokens
 
 from scheduler.admission import CKPT_ADMISSIONS, MIN_BRANCH_GAIN, store_points
-from scheduler.pools import IndexPool
+from scheduler.index_pool import IndexPool
 from scheduler.radix_cache import RadixCache
 
 INTERVAL = 16

@@ -15,14 +15,14 @@ import pytest
 
 from client.__main__ import build_parser as client_parser
 from dasc_server.flags import build_parser as serve_parser
-from loadgen.bench.cli import build_parser as bench_parser
+from loadgen.bench.bench_cli import build_parser as bench_parser
 from loadgen.cli import build_parser as loadgen_parser
-from loadgen.quality.cli import build_parser as eval_parser
+from loadgen.quality.eval_cli import build_parser as eval_parser
 from loadgen.quality.report import build_parser as report_parser
 from loadgen.quality.study import build_parser as study_parser
 from loadgen.quality.table1b import build_parser as table1b_parser
-from model_runner.compression.analysis.cli import build_parser as plan_parser
-from model_runner.compression.analysis.cli import main as dasc_plan
+from model_runner.compression.analysis.plan_cli import build_parser as plan_parser
+from model_runner.compression.analysis.plan_cli import main as dasc_plan
 from model_runner.generate import build_parser as generate_parser
 from scheduler.ipc import free_port
 

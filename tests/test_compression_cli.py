@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
-from model_runner.compression.analysis.cli import main
+from model_runner.compression.analysis.plan_cli import main
 from model_runner.compression.horizons import random_decay_params
 from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import decay_tensor_names, load_decay_params
@@ -21,8 +21,9 @@ ROOT = Path(__file__).parent.parent
 
 
 def dasc_plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "model_runner.compression.analysis.cli", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "model_runner.compression.analysis.plan_cli", *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from loadgen.bench.arms import Arm, SlotPlanner
-from loadgen.bench.cli import main as bench
+from loadgen.bench.bench_cli import main as bench
 from loadgen.bench.client_cost import main as client_cost
 
 

@@ -12,7 +12,7 @@ from conftest import ROOT
 from random_checkpoints import make_model
 from runner_scenarios import make_runner
 
-from loadgen.quality import cli as eval_cli
+from loadgen.quality import eval_cli
 from loadgen.quality.arms import apply_arm, prepare_arm
 from loadgen.quality.results import markdown_table
 from loadgen.quality.sweep import Result
@@ -21,7 +21,7 @@ from model_runner.batch import SeqInput
 
 
 def test_quick_eval_on_shipped_model():
-    proc = subprocess.run([sys.executable, "-m", "loadgen.quality.cli", "--quick", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "loadgen.quality.eval_cli", "--quick", "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -39,7 +39,7 @@ def test_shipped_models_retrieve_through_full_attention(model):
     """Paper Table 1(a) on the shipped models: they solve single-needle retrieval from a cached
     prefix; without the prefix's full-attention KV retrieval fails, and without its linear
     state (recurrent and conv) S1 barely moves."""
-    cmd = [sys.executable, "-m", "loadgen.quality.cli", "--model",
+    cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--model",
            str(ROOT / "model_runner" / "assets" / model), "--tasks", "s1", "--lengths", "512",
            "--n", "8", "--arms", "dense", "zero-full-kv", "zero-linear", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)

@@ -8,7 +8,7 @@ import pytest
 from serving import KIMI, QWEN
 
 from model_runner.compression.accounting import dense_budget, report_plan
-from model_runner.compression.analysis.cli import main as plan_main
+from model_runner.compression.analysis.plan_cli import main as plan_main
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.plan import ModelIdentity, PlanError, dasc_plan
 from model_runner.compression.target import plan_for_slots, w_max_candidates

@@ -118,7 +118,7 @@ def test_greedy_shortcut_equals_decoding_and_arms_do_not_leak(shipped):
 
 
 def test_every_arm_quick_cli():
-    cmd = [sys.executable, "-m", "loadgen.quality.cli", "--quick", "--tasks", "s1", "--arms",
+    cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--quick", "--tasks", "s1", "--arms",
            "dense", "nr", "wr", "nr-int8", "random", "zero-full-kv", "zero-linear", "zero-both",
            "--w-max", "64", "--mask-seeds", "1", "2", "--threads", "1", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -201,7 +201,7 @@ def test_report_tables_have_the_paper_shapes():
 
 
 def test_study_quick_runs_every_arm_and_the_report(tmp_path):
-    cmd = [sys.executable, "-m", "loadgen.quality.cli", "study", "--quick", "--models",
+    cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "study", "--quick", "--models",
            str(KIMI), "--out-dir", str(tmp_path), "--resamples", "200", "--tasks", "s1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from radix_helpers import put
 
-from scheduler.pools import IndexPool
+from scheduler.index_pool import IndexPool
 from scheduler.radix_cache import RadixCache
 
 

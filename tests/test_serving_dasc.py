@@ -84,7 +84,7 @@ def test_dasc_eval_through_the_server_equals_the_offline_arm():
                                         TASKS[inst.task].max_new_tokens)
                 want = bytes(t for t in tokens if t < 256).decode(errors="replace")
                 assert hit and text == want[: want.index("\n") + 1 if "\n" in want else None]
-        cmd = [sys.executable, "-m", "loadgen.quality.cli", "--base-url", server.base_url,
+        cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--base-url", server.base_url,
                "--model", str(KIMI), "--tasks", "s1", "--quick", "--json"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -110,7 +110,7 @@ def test_a_parked_hit_is_exact_under_a_compressed_format(flags):
         assert after["parked_hits"] - before["parked_hits"] == len(insts)
         assert after["loads_nr"] == before["loads_nr"]
         if not flags:
-            cmd = [sys.executable, "-m", "loadgen.quality.cli", "--base-url", server.base_url,
+            cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--base-url", server.base_url,
                    "--model", str(KIMI), "--tasks", "s1", "--quick", "--json"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             assert out.returncode != 0 and "--no-park-finished" in out.stderr, out.stderr

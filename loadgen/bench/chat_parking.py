@@ -20,7 +20,7 @@ from pathlib import Path
 from client.cli_help import DefaultsHelpFormatter
 from dasc_server.spawn import running_server
 from loadgen.bench.report import markdown_table
-from loadgen.runner import run_window
+from loadgen.sender import run_window
 from loadgen.stream import make_client
 from loadgen.summary import summarize
 from loadgen.workload import Request, multi_turn

@@ -23,7 +23,7 @@ from client.cli_help import DefaultsHelpFormatter
 from dasc_server.spawn import running_server
 from loadgen.bench.arms import Arm, SlotPlanner
 from loadgen.bench.report import markdown_table, run_metrics
-from loadgen.runner import run_window
+from loadgen.sender import run_window
 from loadgen.stream import make_client
 from loadgen.workload import Request, random_ids
 from model_runner.config import DEFAULT_MODEL

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from loadgen.quality.sweep import Result
-from model_runner.launch import is_first_rank
+from model_runner.processes import is_first_rank
 
 
 def markdown_table(results: list[Result], tasks: list[str]) -> str:

@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def eval_command(args: argparse.Namespace, model: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "loadgen.quality.cli", "--model", model, "--tasks",
+    return [sys.executable, "-m", "loadgen.quality.eval_cli", "--model", model, "--tasks",
             args.tasks, "--lengths", *map(str, args.lengths), "--n", str(args.n), "--batch",
             str(args.batch), "--arms", *args.arms, "--w-max", *(f"{w:g}" for w in args.w_max),
             "--mask-seeds", *map(str, args.mask_seeds), "--threads", "1", "--json", "--out",

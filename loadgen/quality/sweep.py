@@ -27,7 +27,7 @@ from loadgen.quality.fidelity import greedy_reproduces, mean_kl, mean_nll, score
 from loadgen.quality.tasks import TASKS, TaskInstance, make_instances, score_instance
 from model_runner.batch import SeqInput
 from model_runner.engine import decode_until
-from model_runner.launch import is_first_rank
+from model_runner.processes import is_first_rank
 from model_runner.runner import ModelRunner
 
 NEWLINE = 10

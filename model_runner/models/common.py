@@ -23,7 +23,7 @@ from model_runner.ops.linear_attention import (
 )
 from model_runner.ops.short_conv import conv_decode_into, conv_varlen
 from model_runner.parallel import TPGroup
-from model_runner.pools import KVPool, StatePool
+from model_runner.rank_memory import KVPool, StatePool
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""SGLang's native ``POST /generate`` body (served by ``dasc_server.native``): one prompt and
+"""SGLang's native ``POST /generate`` body (served by ``dasc_server.sglang_routes``): one prompt and
 SGLang's ``sampling_params``, turned into the same ``CompletionRequest`` the OpenAI route runs."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from loadgen.quality.arms import (
 from loadgen.quality.results import appender, load_results, markdown_table
 from loadgen.quality.sweep import Result, sweep
 from loadgen.quality.tasks import LENGTHS, TASKS
-from model_runner.launch import is_first_rank, is_rank_process, relaunch
+from model_runner.processes import is_first_rank, is_rank_process, relaunch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         return main_served(args)
     if args.tp > 1 and not is_rank_process():
-        return relaunch(args.tp, "loadgen.quality.cli", raw)
+        return relaunch(args.tp, "loadgen.quality.eval_cli", raw)
     try:
         results = run(args)
     except (ValueError, OSError, KeyError) as e:

@@ -2,7 +2,7 @@
 worker: ``GET /model_info`` (and the older ``/get_model_info``), ``GET /get_server_info``,
 ``GET /health_generate`` and ``POST /generate``.
 
-``/generate`` takes SGLang's body (``native_request.NativeGenerateRequest``), turns it into the
+``/generate`` takes SGLang's body (``sglang_request.NativeGenerateRequest``), turns it into the
 completions request it means and runs it on the OpenAI routes' path (``prepare`` -> ``Job`` ->
 ``engine.generate``), so validation, metrics, aborts and the prefix cache are the same.  Its
 answer is SGLang's: ``{"text", "output_ids", "meta_info": {id, finish_reason, prompt_tokens,
@@ -36,8 +36,8 @@ from dasc_server.deltas import choice_deltas
 from dasc_server.engine_client import EngineClient
 from dasc_server.jobs import Job
 from dasc_server.json_response import finished_before_disconnect
-from dasc_server.native_request import NativeGenerateRequest
 from dasc_server.request_errors import RequestError
+from dasc_server.sglang_request import NativeGenerateRequest
 from dasc_server.sse_response import DONE_FRAME
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
