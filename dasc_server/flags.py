@@ -17,7 +17,7 @@ from model_runner.config import DEFAULT_MODEL
 from model_runner.model_files import resolve_dtype
 from model_runner.rank_args import FP32_WEIGHTS
 from scheduler.admission import CKPT_ADMISSIONS, DEFAULT_CKPT_ADMISSION
-from scheduler.ckpt_eviction import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
+from scheduler.checkpoint_eviction import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
 from scheduler.policy import POLICIES, SchedulePolicy
 from scheduler.serve_config import (
     CheckpointSpec,
@@ -147,13 +147,13 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="which prefill a step takes first: fcfs (arrival order) or lpm (shortest "
                         "remaining prefill after the cached prefix first, so hits do not wait "
                         "behind misses)")
-    g.add_argument("--schedule-max-passes", type=int, default=POLICY.max_passes,
+    g.add_argument("--schedule-max-passes", type=int, default=POLICY.schedule_max_passes,
                    help="lpm's fairness bound: a request overtaken by this many later arrivals "
                         "goes first")
-    g.add_argument("--prefill-mix-ratio", type=float, default=POLICY.mix_ratio,
+    g.add_argument("--prefill-mix-ratio", type=float, default=POLICY.prefill_mix_ratio,
                    help="lpm: a step holding prefill chunks defers a chunk more than this many "
                         "times longer than its longest one to the next step (0: never defer)")
-    g.add_argument("--decode-interleave", type=int, default=POLICY.decode_steps, metavar="N",
+    g.add_argument("--decode-interleave", type=int, default=POLICY.decode_interleave, metavar="N",
                    help="while requests decode, a step carries prefill only after N "
                         "decode-only steps, so a decode waits behind one prefill step in N + 1 "
                         "at most, and a prompt waits N decode steps at most (0: every step may "

@@ -132,10 +132,12 @@ def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
         park_finished=s.park_finished,
         load_policy=cfg.checkpoints.load_policy,
         refresh_window=info.refresh_window,
-        policy=SchedulePolicy(s.schedule_policy, s.schedule_max_passes, s.prefill_mix_ratio,
-                              s.decode_interleave, s.decode_first),
-        ckpt_eviction=s.checkpoint_eviction,
-        ckpt_admission=s.checkpoint_admission,
+        policy=SchedulePolicy(name=s.schedule_policy, schedule_max_passes=s.schedule_max_passes,
+                              prefill_mix_ratio=s.prefill_mix_ratio,
+                              decode_interleave=s.decode_interleave,
+                              decode_first=s.decode_first),
+        checkpoint_eviction=s.checkpoint_eviction,
+        checkpoint_admission=s.checkpoint_admission,
     )
 
 

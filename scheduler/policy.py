@@ -5,20 +5,20 @@
 ``lpm``   shortest remaining prefill first: a waiting request's remaining prefill is its prompt
           minus the prefix the cache would restore, so among equal prompts the longest prefix
           match goes first (SGLang's lpm), and hits are not queued behind misses.  A step that
-          already holds prefill chunks defers a chunk more than ``mix_ratio`` times longer
+          already holds prefill chunks defers a chunk more than ``prefill_mix_ratio`` times longer
           than its longest one, so a step of hits (one token each at a prompt-end checkpoint)
           is not stretched by a miss's whole prompt; the miss runs in the next step.
 
-Decode interleave (either policy, ``decode_steps`` N > 0): while requests decode, a step carries
-prefill only after N decode-only steps in a row, so a decode waits behind at most one prefill
-step in N + 1 (TGI's ``max_waiting_tokens``).  Where a step with any prefill chunk costs several
-decode steps (a CPU: small-M GEMMs, the chunked delta rule's fixed cost), this trades a prompt's
-TTFT (at most N decode steps more) for its neighbours' TPOT.
+Decode interleave (either policy, ``decode_interleave`` N > 0): while requests decode, a step
+carries prefill only after N decode-only steps in a row, so a decode waits behind at most one
+prefill step in N + 1 (TGI's ``max_waiting_tokens``).  Where a step with any prefill chunk
+costs several decode steps (a CPU: small-M GEMMs, the chunked delta rule's fixed cost), this
+trades a prompt's TTFT (at most N decode steps more) for its neighbours' TPOT.
 
 Fairness bound (lpm): a request is *passed* once each time a request that arrived after it gets
-prefill in a step where it gets none.  Once passed ``max_passes`` times it is overdue: overdue
-requests go first, in arrival order, and are never deferred, so no request waits behind more
-than ``max_passes`` later arrivals (plus the steps those already hold).
+prefill in a step where it gets none.  Once passed ``schedule_max_passes`` times it is overdue:
+overdue requests go first, in arrival order, and are never deferred, so no request waits behind
+more than ``schedule_max_passes`` later arrivals (plus the steps those already hold).
 
 Decode first (either policy, ``decode_first="cost"``): a step also leaves its prefill out while
 the ranks' measured step times say the running decodes should finish first
@@ -46,9 +46,9 @@ class SchedulePolicy:
     """The default, lpm, measured best (docs/results/serving.md, "Schedule policies")."""
 
     name: str = "lpm"
-    max_passes: int = 32
-    mix_ratio: float = 8.0  # 0: never defer (order only)
-    decode_steps: int = 0  # decode interleave: 0 lets every step carry prefill
+    schedule_max_passes: int = 32
+    prefill_mix_ratio: float = 8.0  # 0: never defer (order only)
+    decode_interleave: int = 0  # decode interleave: 0 lets every step carry prefill
     decode_first: str = "off"  # "cost": defer prefill by the step costs (step_costs.py)
 
     def __post_init__(self):
@@ -58,16 +58,17 @@ class SchedulePolicy:
         if self.decode_first not in DECODE_FIRST:
             raise ValueError(f"decode_first must be one of {', '.join(DECODE_FIRST)}, "
                              f"got {self.decode_first!r}")
-        if self.max_passes < 0 or self.mix_ratio < 0 or self.decode_steps < 0:
-            raise ValueError("max_passes, mix_ratio and decode_steps must be >= 0")
+        if self.schedule_max_passes < 0 or self.prefill_mix_ratio < 0 or self.decode_interleave < 0:
+            raise ValueError("schedule_max_passes, prefill_mix_ratio and decode_interleave must "
+                             "be >= 0")
 
     def takes_prefill(self, decoding: bool, decode_only_run: int) -> bool:
         """Whether a step may carry prefill, given whether any request decodes and how many
         decode-only steps ran since the last step that carried prefill."""
-        return not decoding or decode_only_run >= self.decode_steps
+        return not decoding or decode_only_run >= self.decode_interleave
 
     def is_overdue(self, r: Req) -> bool:
-        return r.num_passed >= self.max_passes
+        return r.num_passed >= self.schedule_max_passes
 
     def order(self, running: list[Req], waiting: Iterable[Req],
               remaining: Callable[[Req], int]) -> list[Req]:
@@ -87,13 +88,13 @@ class SchedulePolicy:
 
     @property
     def can_defer(self) -> bool:
-        return self.name == "lpm" and self.mix_ratio > 0
+        return self.name == "lpm" and self.prefill_mix_ratio > 0
 
     def defers(self, r: Req, chunk_len: int, longest_chunk: int) -> bool:
         """lpm: keep a chunk out of a step whose prefill chunks are all much shorter."""
         if not self.can_defer or longest_chunk == 0:
             return False
-        return chunk_len > self.mix_ratio * longest_chunk and not self.is_overdue(r)
+        return chunk_len > self.prefill_mix_ratio * longest_chunk and not self.is_overdue(r)
 
 
 def count_passes(skipped: list[Req], served: list[Req]) -> None:

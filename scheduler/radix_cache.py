@@ -20,8 +20,8 @@ an admission finds no free slot, and any one goes with its node's KV.
 Two LRU orders (PR #31643 of SGLang): ``kv_access`` is touched along a matched path and orders
 leaf eviction; ``ckpt_access`` is touched only on the node whose checkpoint a hit consumes and
 orders checkpoint eviction, which may take the checkpoint of any node (the node then stays as
-a KV-only "tombstone" while it has children or locks).  ``ckpt_eviction="reuse"`` orders
-checkpoint eviction by value instead (``ckpt_eviction.by_value``).
+a KV-only "tombstone" while it has children or locks).  ``checkpoint_eviction="reuse"`` orders
+checkpoint eviction by value instead (``checkpoint_eviction.by_value``).
 """
 
 from __future__ import annotations
@@ -29,22 +29,22 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from scheduler.ckpt_eviction import CKPT_EVICTIONS, by_value
+from scheduler.checkpoint_eviction import CKPT_EVICTIONS, by_value
 from scheduler.index_pool import IndexPool
 from scheduler.radix_node import InsertResult, MatchResult, Node, common_prefix
 
 
 class RadixCache:
-    def __init__(self, kv_pool: IndexPool, ckpt_pool: IndexPool, ckpt_eviction: str = "lru",
+    def __init__(self, kv_pool: IndexPool, ckpt_pool: IndexPool, checkpoint_eviction: str = "lru",
                  slot_pool: IndexPool | None = None):
         """``slot_pool``: the active state slots, where dropped parked slots go back (None: the
         cache parks nothing)."""
-        if ckpt_eviction not in CKPT_EVICTIONS:
+        if checkpoint_eviction not in CKPT_EVICTIONS:
             raise ValueError(f"checkpoint eviction must be one of {', '.join(CKPT_EVICTIONS)}, "
-                             f"got {ckpt_eviction!r}")
+                             f"got {checkpoint_eviction!r}")
         self.kv_pool, self.ckpt_pool, self.slot_pool = kv_pool, ckpt_pool, slot_pool
         self._parked: dict[int, Node] = {}  # parked slot -> its node, oldest first
-        self.ckpt_eviction = ckpt_eviction
+        self.checkpoint_eviction = checkpoint_eviction
         self.root = Node([], [], None, 0)
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
@@ -245,7 +245,7 @@ class RadixCache:
         """Drop ``num`` checkpoints not locked for loading, least recently consumed first (lru)
         or least valuable first (reuse)."""
         nodes = [n for n in self._nodes() if n.ckpt is not None and n.ckpt_lock == 0]
-        if self.ckpt_eviction == "reuse" and num < len(nodes):
+        if self.checkpoint_eviction == "reuse" and num < len(nodes):
             nodes = by_value(nodes)
         else:
             nodes.sort(key=lambda n: n.ckpt_access)

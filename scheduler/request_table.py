@@ -26,7 +26,7 @@ class RequestTable:
         self.cfg = cfg
         self.slots = IndexPool(cfg.max_running_requests, first=1)
         self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
-                                IndexPool(cfg.num_checkpoint_slots), cfg.ckpt_eviction,
+                                IndexPool(cfg.num_checkpoint_slots), cfg.checkpoint_eviction,
                                 slot_pool=self.slots if cfg.park_finished else None)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

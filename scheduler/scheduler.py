@@ -28,7 +28,7 @@ from scheduler.step_planner import StepPlanner
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
-        check_admission(cfg.ckpt_admission)
+        check_admission(cfg.checkpoint_admission)
         self.cfg = cfg
         self.table = RequestTable(cfg)
         self.planner = StepPlanner(cfg, self.table)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.admission import DEFAULT_CKPT_ADMISSION
-from scheduler.ckpt_eviction import DEFAULT_CKPT_EVICTION
+from scheduler.checkpoint_eviction import DEFAULT_CKPT_EVICTION
 from scheduler.policy import SchedulePolicy
 from scheduler.serve_config import LoadPolicy
 
@@ -41,8 +41,8 @@ class SchedulerConfig:
     load_policy: LoadPolicy = LoadPolicy.NR
     refresh_window: int = 0
     policy: SchedulePolicy = SchedulePolicy()  # which prefill a step takes first
-    ckpt_eviction: str = DEFAULT_CKPT_EVICTION  # "reuse" | "lru" (RadixCache)
-    ckpt_admission: str = DEFAULT_CKPT_ADMISSION  # "all" | "reuse" (scheduler.admission)
+    checkpoint_eviction: str = DEFAULT_CKPT_EVICTION  # "reuse" | "lru" (RadixCache)
+    checkpoint_admission: str = DEFAULT_CKPT_ADMISSION  # "all" | "reuse" (scheduler.admission)
 
     @property
     def scratch_slot_base(self) -> int:

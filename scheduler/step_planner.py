@@ -218,7 +218,7 @@ class StepPlanner:
                 below = max([hit, self.table.cache.match_len(r.prompt, shared),
                              *(p for p in points[r.rid] if p <= shared),
                              *(p for p in self._share_points.get(r.rid, ()) if p <= shared)])
-                stores = (self.cfg.ckpt_admission != "all"
+                stores = (self.cfg.checkpoint_admission != "all"
                           and shared - below >= MIN_BRANCH_GAIN)
                 point = shared if stores else below
                 if point > max(best, r.computed):
@@ -294,7 +294,7 @@ class StepPlanner:
         if not self.cfg.prefix_cache:
             return []
         cfg = self.cfg
-        points = store_points(r.prompt, cfg.checkpoint_interval, cfg.ckpt_admission,
+        points = store_points(r.prompt, cfg.checkpoint_interval, cfg.checkpoint_admission,
                               self.table.cache)
         shared = self._share_points.get(r.rid)
         return sorted(shared.union(points)) if shared else points

@@ -30,10 +30,10 @@ def may_store(s: Scheduler, prompt: list[int], end: int) -> bool:
     evictions, which only remove checkpoints, so its gain over the deepest one above it can only
     have grown."""
     on_grid = end in boundaries(len(prompt), s.cfg.checkpoint_interval)
-    if s.cfg.ckpt_admission == "all":
+    if s.cfg.checkpoint_admission == "all":
         return on_grid
     at_branch = end == len(prompt) - 1 or end - s.cache.match_len(prompt, end) >= MIN_BRANCH_GAIN
-    return at_branch if s.cfg.ckpt_admission == "reuse" else on_grid or at_branch
+    return at_branch if s.cfg.checkpoint_admission == "reuse" else on_grid or at_branch
 
 
 def tree_ckpts(s: Scheduler) -> dict[int, tuple[list[int], Node]]:

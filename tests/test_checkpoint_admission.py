@@ -20,7 +20,7 @@ MAX_TOKENS = 4  # a finished request's checkpoint lies at len(prompt) + MAX_TOKE
 
 def scheduler(admission: str, interval: int = INTERVAL):
     return make(max_total_tokens=2000, num_checkpoint_slots=32, chunked_prefill_size=256,
-                checkpoint_interval=interval, ckpt_admission=admission)
+                checkpoint_interval=interval, checkpoint_admission=admission)
 
 
 def ckpt_depths(s) -> set[int]:
@@ -90,7 +90,7 @@ def test_cached_len_counts_a_partial_edge():
 
 def test_an_unknown_admission_is_refused():
     with pytest.raises(ValueError, match="checkpoint admission must be one of branch, all, reuse"):
-        make(ckpt_admission="every")
+        make(checkpoint_admission="every")
 
 
 # ---- the scheduler -------------------------------------------------------------------------------
@@ -185,4 +185,4 @@ def test_the_flag_reaches_the_scheduler():
     for flags, admission in (([], "branch"), (["--checkpoint-admission", "all"], "all"),
                              (["--checkpoint-admission", "reuse"], "reuse")):
         sent = serve_config(parse_args(flags)).to_json()
-        assert scheduler_config(ServeConfig.from_json(sent), info).ckpt_admission == admission
+        assert scheduler_config(ServeConfig.from_json(sent), info).checkpoint_admission == admission

@@ -1,4 +1,4 @@
-"""Checkpoint eviction by value (``RadixCache(ckpt_eviction="reuse")``): a full
+"""Checkpoint eviction by value (``RadixCache(checkpoint_eviction="reuse")``): a full
 pool drops the checkpoint whose hit saves least over its nearest cached ancestor, weighed with
 recency; ``lru`` keeps dropping the least recently hit one."""
 

@@ -36,13 +36,13 @@ CONFIGS = [
     dict(max_total_tokens=260, max_running_requests=3, num_checkpoint_slots=6,
          chunked_prefill_size=24, checkpoint_interval=8, load_policy=LoadPolicy.WR,
          refresh_window=6,
-         policy=SchedulePolicy("lpm", max_passes=1000, mix_ratio=2)),
-    # checkpoint eviction by value (scheduler/radix_cache.py, ckpt_eviction="reuse")
+         policy=SchedulePolicy("lpm", schedule_max_passes=1000, prefill_mix_ratio=2)),
+    # checkpoint eviction by value (scheduler/radix_cache.py, checkpoint_eviction="reuse")
     dict(max_total_tokens=400, max_running_requests=5, num_checkpoint_slots=3,
-         chunked_prefill_size=64, checkpoint_interval=16, ckpt_eviction="reuse"),
+         chunked_prefill_size=64, checkpoint_interval=16, checkpoint_eviction="reuse"),
     # checkpoint admission by likely reuse (scheduler/admission.py)
     dict(max_total_tokens=400, max_running_requests=4, num_checkpoint_slots=6,
-         chunked_prefill_size=32, checkpoint_interval=8, ckpt_admission="reuse"),
+         chunked_prefill_size=32, checkpoint_interval=8, checkpoint_admission="reuse"),
     # finished requests' slots are not parked: every hit loads a checkpoint
     dict(max_total_tokens=330, max_running_requests=4, num_checkpoint_slots=24,
          chunked_prefill_size=32, checkpoint_interval=16, park_finished=False,

@@ -13,7 +13,7 @@ from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_toke
 from scheduler.policy import POLICIES, SchedulePolicy, count_passes
 from scheduler.request import Req
 
-LPM = SchedulePolicy("lpm", max_passes=1000)
+LPM = SchedulePolicy("lpm", schedule_max_passes=1000)
 
 
 def cached(loop: Loop, prompts: list[list[int]]) -> None:
@@ -64,7 +64,7 @@ def test_a_hit_queued_behind_a_miss(policy):
 def test_lpm_longest_prefix_first_and_shortest_remaining_first():
     """Order only (no deferral): among the candidates of one step the shortest remaining
     prefill goes first, whatever the arrival order; equal remainders keep arrival order."""
-    s = policy_scheduler(SchedulePolicy("lpm", mix_ratio=0), chunked_prefill_size=512,
+    s = policy_scheduler(SchedulePolicy("lpm", prefill_mix_ratio=0), chunked_prefill_size=512,
                          checkpoint_interval=8)
     loop = Loop(s, random_tokens())
     base = prompt_of(40, seed=3)
@@ -116,8 +116,8 @@ def test_lpm_hits_fill_the_budget_before_a_miss_gets_any():
     it."""
     hot = [prompt_of(10, seed=20 + i) for i in range(8)]
     for policy in POLICIES:
-        s = policy_scheduler(SchedulePolicy(policy, max_passes=1000), chunked_prefill_size=64,
-                             max_total_tokens=1000)
+        s = policy_scheduler(SchedulePolicy(policy, schedule_max_passes=1000),
+                             chunked_prefill_size=64, max_total_tokens=1000)
         loop = Loop(s, random_tokens())
         cached(loop, hot)
         assert loop.add("miss", prompt_of(200, seed=7), 1) is None
@@ -133,14 +133,14 @@ def test_lpm_hits_fill_the_budget_before_a_miss_gets_any():
         assert_drained(s)
 
 
-@pytest.mark.parametrize("max_passes", [0, 3, 7])
-def test_lpm_bounds_how_often_a_miss_is_passed(max_passes):
+@pytest.mark.parametrize("schedule_max_passes", [0, 3, 7])
+def test_lpm_bounds_how_often_a_miss_is_passed(schedule_max_passes):
     """A steady stream of hits (two new ones every step) would keep a miss waiting for ever
-    under plain shortest-first; with the bound it runs once ``max_passes`` later arrivals have
-    gone before it, and then first, ahead of that step's hits."""
+    under plain shortest-first; with the bound it runs once ``schedule_max_passes`` later
+    arrivals have gone before it, and then first, ahead of that step's hits."""
     per_step = 2
-    s = policy_scheduler(SchedulePolicy("lpm", max_passes=max_passes), max_running_requests=4,
-                         num_checkpoint_slots=80, max_total_tokens=4000)
+    s = policy_scheduler(SchedulePolicy("lpm", schedule_max_passes=schedule_max_passes),
+                         max_running_requests=4, num_checkpoint_slots=80, max_total_tokens=4000)
     loop = Loop(s, random_tokens())
     hot = [prompt_of(12, seed=100 + i) for i in range(30)]
     cached(loop, hot)
@@ -159,7 +159,7 @@ def test_lpm_bounds_how_often_a_miss_is_passed(max_passes):
             break
         hits_before += len(rids)
     assert miss_step is not None, "the miss starved"
-    assert max_passes <= hits_before < max_passes + per_step
+    assert schedule_max_passes <= hits_before < schedule_max_passes + per_step
     loop.run()
     assert {loop.final(f"hit{i}").cached_tokens for i in range(i + 1)} == {11}  # all hits
     assert_drained(s)
@@ -209,7 +209,7 @@ def test_count_passes_counts_later_arrivals_served():
 
 
 def test_policy_order_puts_overdue_first_in_arrival_order():
-    p = SchedulePolicy("lpm", max_passes=2)
+    p = SchedulePolicy("lpm", schedule_max_passes=2)
     reqs = [Req(f"r{i}", [1] * (10 - i), None, 0, arrival=i) for i in range(4)]
     reqs[1].num_passed = reqs[0].num_passed = 2
     order = p.order([], reqs, lambda r: len(r.prompt))
@@ -236,7 +236,7 @@ def test_flags_reach_the_scheduler_process():
     def policy_of(*flags: str):
         sent = serve_config(parse_args(list(flags))).to_json()
         cfg = scheduler_config(ServeConfig.from_json(sent), info)
-        return cfg.policy, cfg.ckpt_eviction
+        return cfg.policy, cfg.checkpoint_eviction
 
     policy, eviction = policy_of("--schedule-policy", "fcfs", "--schedule-max-passes", "5",
                                  "--prefill-mix-ratio", "4", "--decode-interleave", "6",
@@ -251,7 +251,7 @@ def test_decode_interleave_bounds_prefill_steps_among_decodes(policy, interleave
     """While a request decodes, a step carries prefill only after ``interleave`` decode-only
     steps: a new prompt waits exactly that many steps (none once enough decode-only steps have
     run), its chunks come one step in interleave + 1, and both requests finish intact."""
-    s = policy_scheduler(SchedulePolicy(policy, decode_steps=interleave),
+    s = policy_scheduler(SchedulePolicy(policy, decode_interleave=interleave),
                          chunked_prefill_size=8)
     loop = Loop(s, random_tokens())
     assert loop.add("long", prompt_of(8, seed=6), 40) is None
@@ -276,11 +276,11 @@ def test_decode_interleave_bounds_prefill_steps_among_decodes(policy, interleave
 
 
 def test_decode_interleave_never_delays_prefill_without_decodes():
-    s = policy_scheduler(SchedulePolicy("fcfs", decode_steps=5), chunked_prefill_size=8)
+    s = policy_scheduler(SchedulePolicy("fcfs", decode_interleave=5), chunked_prefill_size=8)
     loop = Loop(s, random_tokens())
     assert loop.add("a", prompt_of(24, seed=8), 1) is None
     loop.run()
     # chunks of 8, back to back (the last snapshots the prompt-end checkpoint at 23)
     assert [[q.rid for q in p.seqs] for p in loop.plans if p.seqs] == [["a"]] * 3
-    with pytest.raises(ValueError, match="decode_steps"):
-        SchedulePolicy("lpm", decode_steps=-1)
+    with pytest.raises(ValueError, match="decode_interleave"):
+        SchedulePolicy("lpm", decode_interleave=-1)

@@ -34,7 +34,7 @@ def prefill_tokens(loop: Loop) -> int:
 
 @pytest.mark.parametrize("admission", CKPT_ADMISSIONS)
 def test_sharers_that_arrive_together_hit_from_the_second_on(admission):
-    loop = Loop(scheduler(ckpt_admission=admission), random_tokens())
+    loop = Loop(scheduler(checkpoint_admission=admission), random_tokens())
     prompts = users(4)
     for i, p in enumerate(prompts):
         assert loop.add(f"u{i}", p, 4) is None

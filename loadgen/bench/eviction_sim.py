@@ -20,7 +20,7 @@ from client.cli_help import DefaultsHelpFormatter
 from loadgen.bench.report import markdown_table
 from loadgen.workload import Request, multi_turn, shared_prefix
 from scheduler.admission import CKPT_ADMISSIONS
-from scheduler.ckpt_eviction import CKPT_EVICTIONS
+from scheduler.checkpoint_eviction import CKPT_EVICTIONS
 from scheduler.messages import SamplingParams
 from scheduler.rank_messages import StepResult
 from scheduler.scheduler import Scheduler
@@ -42,8 +42,8 @@ def simulate(requests: list[Request], slots: int, eviction: str, concurrency: in
     s = Scheduler(SchedulerConfig(
         max_total_tokens=kv_rows, max_running_requests=concurrency, num_checkpoint_slots=slots,
         max_context_len=1 << 20, vocab_size=VOCAB, chunked_prefill_size=2048,
-        checkpoint_interval=interval, cache_finished=cache_finished, ckpt_eviction=eviction,
-        ckpt_admission=admission, park_finished=False))  # the checkpoints alone
+        checkpoint_interval=interval, cache_finished=cache_finished, checkpoint_eviction=eviction,
+        checkpoint_admission=admission, park_finished=False))  # the checkpoints alone
     rng = random.Random(seed)
     todo, done, in_flight = list(range(len(requests))), set(), set()
     num_chunks = 0
