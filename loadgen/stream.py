@@ -1,7 +1,8 @@
 """One streaming completion, timed client-side, and the few admin calls the protocols need.
 
 Clocks (all ``perf_counter``, started just before the POST, as vLLM and SGLang do):
-    ttfb  first SSE data frame of any kind (vLLM's "first chunk")
+    ttfb  first SSE data event of any kind (vLLM's "first chunk"); the events are read by
+          ``client.sse.SSEDecoder``, the parser the Python client uses
     ttft  first frame that carries generated content: non-empty ``text`` / ``delta.content`` /
           ``token_ids``.  Role-only and usage-only frames do not count (SGLang's rule).
     itl   gaps between successive content frames; e2el: until ``[DONE]`` or the stream's end.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from client.sse import SSEDecoder
 from loadgen.workload import Request
 
 
@@ -119,18 +121,20 @@ async def send_streaming(client: aiohttp.ClientSession, req: Request, model: str
                 text = await resp.text(errors="replace")
                 res.error = f"HTTP {resp.status}: {_error_message(text)}"
                 return res
+            events = SSEDecoder()
             async for raw in resp.content:  # one line per item, the newline kept
-                if not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip().decode()
-                now = time.perf_counter()
-                if res.ttfb_ms is None:
-                    res.ttfb_ms = (now - start) * 1e3
-                if data == "[DONE]":
+                if events.is_done:
                     # Read on to the end of the body (the chunked terminator): a response
                     # left unread closes its connection instead of returning it to the pool.
-                    res.e2el_ms = (now - start) * 1e3
                     continue
+                data = events.feed_line(raw.decode(errors="replace").rstrip("\r\n"))
+                now = time.perf_counter()
+                if events.is_done:
+                    res.e2el_ms = (now - start) * 1e3
+                if data is None:
+                    continue
+                if res.ttfb_ms is None:
+                    res.ttfb_ms = (now - start) * 1e3
                 frame = json.loads(data)
                 if frame.get("error"):
                     res.error = f"stream error: {_error_message(json.dumps(frame))}"
