@@ -19,6 +19,7 @@ from model_runner.rank_args import FP32_WEIGHTS
 from scheduler.admission import CKPT_ADMISSIONS, DEFAULT_CKPT_ADMISSION
 from scheduler.checkpoint_eviction import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
 from scheduler.policy import POLICIES, SchedulePolicy
+from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL
 from scheduler.serve_config import (
     CheckpointSpec,
     LoadPolicy,
@@ -135,8 +136,8 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=16,
                    help="requests decoded together (active state slots)")
     g.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help="new tokens per step, decodes included (default: 2048, or derived "
-                        "with --step-target-ms)")
+                   help=f"new tokens per step, decodes included (default: "
+                        f"{DEFAULT_CHUNKED_PREFILL}, or derived with --step-target-ms)")
     g.add_argument("--step-target-ms", type=float, default=None,
                    help="derive --chunked-prefill-size from the prefill rate the ranks measure "
                         "at start-up: the tokens a step prefills in this time (64 to 8192), so "
@@ -197,8 +198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The part of the flags that every process runs from."""
+    """The part of the flags that every process runs from (after ``validate``); W_max is
+    --wmax, or the one --target-slots chooses."""
     a = args
+    w_max = choose_w_max(a) if a.target_slots is not None else a.wmax
     return ServeConfig(
         model=a.model,
         ranks=RankConfig(resolve_dtype(a.dtype, a.model, a.device), a.device,
@@ -212,7 +215,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             a.checkpoint_admission,
             prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished,
             park_finished=not a.no_park_finished, decode_first=a.decode_first),
-        checkpoints=CheckpointSpec(a.wmax, Selection(a.selection), a.mask_seed,
+        checkpoints=CheckpointSpec(w_max, Selection(a.selection), a.mask_seed,
                                    Payload.INT8 if a.int8_checkpoints else Payload.FP32,
                                    Placement(a.placement), LoadPolicy(a.load_policy)))
 
@@ -243,25 +246,26 @@ def validate(args: argparse.Namespace) -> None:
     if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
         raise ValueError("--checkpoint-slots must be at least 1")
     if args.target_slots is not None:
-        args.wmax = choose_w_max(args)
+        if args.state_budget_bytes is None:
+            raise ValueError("--target-slots needs --state-budget-bytes, the budget the slots "
+                             "share")
+        if args.wmax != 0 or args.selection != Selection.DASC.value:
+            raise ValueError("--target-slots chooses W_max for dasc's selection: drop --wmax "
+                             "and --selection")
     if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
                          f"--node-rank must lie in [0, {args.nnodes})")
 
 
 def choose_w_max(args: argparse.Namespace) -> float:
-    """--target-slots: the W_max that ``validate`` writes into ``args.wmax``."""
+    """--target-slots (checked by ``validate``): the W_max whose plan fits that many slots in
+    --state-budget-bytes; raises ``PlanError`` (a ValueError) where none does."""
     from model_runner.compression.horizons import static_horizons
     from model_runner.compression.plan import ModelIdentity
     from model_runner.compression.target import plan_for_slots
     from model_runner.compression.weights import load_decay_params
     from model_runner.config import ModelConfig
 
-    if args.state_budget_bytes is None:
-        raise ValueError("--target-slots needs --state-budget-bytes, the budget the slots share")
-    if args.wmax != 0 or args.selection != Selection.DASC.value:
-        raise ValueError("--target-slots chooses W_max for dasc's selection: drop --wmax and "
-                         "--selection")
     cfg = ModelConfig.from_dir(args.model)
     params = load_decay_params(args.model, cfg)
     fit = plan_for_slots(ModelIdentity.of(cfg, params), static_horizons(cfg, params), cfg,

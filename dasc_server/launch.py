@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         validate(args)
+        config = serve_config(args)
         sock = bind_http(args.host, args.port) if args.node_rank == 0 else None
         if sock is not None:
             args.port = sock.getsockname()[1]  # --port 0: the one the system chose
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
     errors = ChildErrors()
-    children = start_children(args, serve_config(args), errors)
+    children = start_children(args, config, errors)
     # Every path below stops and reaps the children first; then the launcher skips the
     # interpreter's teardown (~1 s with torch and transformers loaded).
     if args.node_rank > 0:

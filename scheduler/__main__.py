@@ -28,7 +28,7 @@ from scheduler.messages import (
 from scheduler.policy import SchedulePolicy
 from scheduler.rank_messages import RankInfo, StepResult
 from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import SchedulerConfig, prefill_budget
+from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL, SchedulerConfig, prefill_budget
 from scheduler.serve_config import SchedulingConfig, ServeConfig
 
 IDLE_POLL_S = 0.5
@@ -103,9 +103,6 @@ class SchedulerProcess:
             elif isinstance(msg, Shutdown):
                 return False
         return True
-
-
-DEFAULT_CHUNKED_PREFILL = 2048
 
 
 def chunk_budget(cfg: SchedulingConfig, info: RankInfo) -> int:

@@ -25,6 +25,9 @@ def active_state_slots(max_running_requests: int) -> int:
     return 1 + 2 * max_running_requests
 
 
+DEFAULT_CHUNKED_PREFILL = 2048  # --chunked-prefill-size without --step-target-ms
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_total_tokens: int  # KV rows (page size 1)
@@ -33,7 +36,7 @@ class SchedulerConfig:
     max_context_len: int
     vocab_size: int
     eos_token_id: int | None = None
-    chunked_prefill_size: int = 2048  # new tokens per step, decodes included
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # new tokens per step, decodes included
     checkpoint_interval: int = 256  # 0: prompt end only
     prefix_cache: bool = True
     cache_finished: bool = True

@@ -95,7 +95,8 @@ class SchedulingConfig:
 
     max_total_tokens: int  # KV pool rows (page size 1)
     max_running_requests: int  # requests decoded together (active state slots)
-    chunked_prefill_size: int | None  # new tokens per step; None: 2048, or from step_target_ms
+    chunked_prefill_size: int | None  # new tokens per step; None: DEFAULT_CHUNKED_PREFILL
+    # (scheduler_config.py), or from step_target_ms
     step_target_ms: float | None  # the ranks time a prefill at start-up; None: off
     checkpoint_interval: int  # prompt tokens between stored checkpoints; 0: prompt end only
     schedule_policy: str  # scheduler.policy.POLICIES

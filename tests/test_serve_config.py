@@ -42,7 +42,7 @@ LAUNCHER_ONLY = {"--served-model-name", "--tp", "--host", "--port", "--startup-t
                  "--shutdown-timeout", "--api-key", "--max-request-bytes",
                  "--max-queued-requests", "--nnodes", "--node-rank", "--master-addr",
                  "--master-port",
-                 "--target-slots"}  # resolved into --wmax by validate(): tested below
+                 "--target-slots"}  # resolved into W_max by serve_config(): tested below
 RANK = RankInfo("kimi_linear", 1, 264, 258, 8192, 8, 1000, 4000, 0)
 
 
@@ -266,14 +266,17 @@ def test_target_slots_choose_w_max_before_anything_starts(capsys):
     validate(args)
     cfg = serve_config(args)
     assert cfg.checkpoints.w_max == want.plan.w_max and cfg.ranks.state_budget_bytes == budget
+    assert args.wmax == 0  # the flags are read, never written
     assert f"W_max {want.plan.w_max:.9g}, {want.slots} slots" in capsys.readouterr().err
     for argv, message in ((["--target-slots", "48"], "needs --state-budget-bytes"),
                           (["--target-slots", "48", "--state-budget-bytes", str(budget),
                             "--wmax", "16"], "drop --wmax"),
                           (["--target-slots", "100000", "--state-budget-bytes", str(budget)],
                            "do not fit")):
+        args = parse_args(argv)
         with pytest.raises((ValueError, PlanError), match=message):
-            validate(parse_args(argv))
+            validate(args)
+            serve_config(args)
 
 
 @pytest.mark.parametrize("flags,parks", [([], True), (["--no-park-finished"], False),
