@@ -15,22 +15,27 @@ from pathlib import Path
 from client.cli_help import DefaultsHelpFormatter
 from model_runner.config import DEFAULT_MODEL
 from model_runner.model_files import resolve_dtype
-from model_runner.rank_args import FP32_WEIGHTS
-from scheduler.admission import CKPT_ADMISSIONS, DEFAULT_CKPT_ADMISSION
-from scheduler.checkpoint_eviction import CKPT_EVICTIONS, DEFAULT_CKPT_EVICTION
-from scheduler.policy import POLICIES, SchedulePolicy
+from scheduler.admission import DEFAULT_CKPT_ADMISSION
+from scheduler.checkpoint_eviction import DEFAULT_CKPT_EVICTION
+from scheduler.policy import SchedulePolicy
 from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL
 from scheduler.serve_config import (
+    CheckpointAdmission,
+    CheckpointEviction,
     CheckpointSpec,
+    DecodeFirst,
+    Device,
+    Dtype,
+    Fp32Weights,
     LoadPolicy,
     Payload,
     Placement,
     RankConfig,
+    SchedulePolicyName,
     SchedulingConfig,
     Selection,
     ServeConfig,
 )
-from scheduler.step_costs import DECODE_FIRST
 
 POLICY = SchedulePolicy()  # lpm: docs/results/serving.md, "Schedule policies"
 
@@ -80,12 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 def add_rank_flags(p: argparse.ArgumentParser) -> None:
     """``ServeConfig.ranks`` and ``ServeConfig.checkpoints``."""
     g = p.add_argument_group("model and checkpoints (ranks)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--dtype", default="auto", choices=["auto", *values(Dtype)],
                    help="weights and activations; auto: the checkpoint's bfloat16 where this "
                         "device computes bf16 natively (CUDA, a CPU with AVX512-BF16 or AMX), "
                         "else float32 (bfloat16 is emulated, so slower, on other CPUs)")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
-    g.add_argument("--cpu-fp32-weights", choices=FP32_WEIGHTS, default="auto",
+    g.add_argument("--device", default=Device.CPU.value, choices=values(Device),
+                   help="cuda: one GPU per rank")
+    g.add_argument("--cpu-fp32-weights", choices=values(Fp32Weights),
+                   default=Fp32Weights.AUTO.value,
                    help="hold a bf16 model's GEMM weights in fp32 (2x their memory; activations, "
                         "KV and states stay bf16): each GEMM is then one fp32 GEMM rounded to "
                         "bf16 and no step upcasts weights; auto: on a CPU that only emulates bf16 "
@@ -144,7 +151,8 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "decodes never wait behind a whole long prompt (default: off)")
     g.add_argument("--checkpoint-interval", type=int, default=256,
                    help="store a checkpoint every N prompt tokens (0: at the prompt end only)")
-    g.add_argument("--schedule-policy", choices=POLICIES, default=POLICY.name,
+    g.add_argument("--schedule-policy", choices=values(SchedulePolicyName),
+                   default=POLICY.name.value,
                    help="which prefill a step takes first: fcfs (arrival order) or lpm (shortest "
                         "remaining prefill after the cached prefix first, so hits do not wait "
                         "behind misses)")
@@ -159,18 +167,19 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "decode-only steps, so a decode waits behind one prefill step in N + 1 "
                         "at most, and a prompt waits N decode steps at most (0: every step may "
                         "carry prefill)")
-    g.add_argument("--decode-first", choices=DECODE_FIRST, default=POLICY.decode_first,
+    g.add_argument("--decode-first", choices=values(DecodeFirst),
+                   default=POLICY.decode_first.value,
                    help="cost: while requests decode, a step defers prefill when the running "
                         "decodes, finished first, would delay the waiting prompts less than the "
                         "prefill would delay the decodes, by the ranks' measured step times; a "
                         "prompt waits less than its own prefill takes (off: never defer)")
-    g.add_argument("--checkpoint-eviction", choices=CKPT_EVICTIONS,
-                   default=DEFAULT_CKPT_EVICTION,
+    g.add_argument("--checkpoint-eviction", choices=values(CheckpointEviction),
+                   default=DEFAULT_CKPT_EVICTION.value,
                    help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
                         "(recency plus the prefill a hit there saves over its nearest cached "
                         "ancestor)")
-    g.add_argument("--checkpoint-admission", choices=CKPT_ADMISSIONS,
-                   default=DEFAULT_CKPT_ADMISSION,
+    g.add_argument("--checkpoint-admission", choices=values(CheckpointAdmission),
+                   default=DEFAULT_CKPT_ADMISSION.value,
                    help="where a prefill stores checkpoints: branch (every "
                         "--checkpoint-interval tokens, the prompt end and the point where the "
                         "prompt branches off a cached one, so a shared prefix of any length is "
@@ -204,20 +213,27 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     w_max = choose_w_max(a) if a.target_slots is not None else a.wmax
     return ServeConfig(
         model=a.model,
-        ranks=RankConfig(resolve_dtype(a.dtype, a.model, a.device), a.device,
-                         a.cpu_fp32_weights, a.cpu_packed_weights == "on",
-                         not a.disable_cuda_graph, a.cuda_graph_max_bs,
-                         a.cuda_graph_max_context, a.state_budget_bytes, a.checkpoint_slots),
+        ranks=RankConfig(
+            dtype=Dtype(resolve_dtype(a.dtype, a.model, a.device)), device=Device(a.device),
+            cpu_fp32_weights=Fp32Weights(a.cpu_fp32_weights),
+            cpu_packed_weights=a.cpu_packed_weights == "on", cuda_graph=not a.disable_cuda_graph,
+            cuda_graph_max_bs=a.cuda_graph_max_bs, cuda_graph_max_context=a.cuda_graph_max_context,
+            state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots),
         scheduling=SchedulingConfig(
-            a.max_total_tokens, a.max_running_requests, a.chunked_prefill_size,
-            a.step_target_ms, a.checkpoint_interval, a.schedule_policy, a.schedule_max_passes,
-            a.prefill_mix_ratio, a.decode_interleave, a.checkpoint_eviction,
-            a.checkpoint_admission,
+            max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests,
+            chunked_prefill_size=a.chunked_prefill_size, step_target_ms=a.step_target_ms,
+            checkpoint_interval=a.checkpoint_interval,
+            schedule_policy=SchedulePolicyName(a.schedule_policy),
+            schedule_max_passes=a.schedule_max_passes, prefill_mix_ratio=a.prefill_mix_ratio,
+            decode_interleave=a.decode_interleave,
+            checkpoint_eviction=CheckpointEviction(a.checkpoint_eviction),
+            checkpoint_admission=CheckpointAdmission(a.checkpoint_admission),
             prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished,
-            park_finished=not a.no_park_finished, decode_first=a.decode_first),
-        checkpoints=CheckpointSpec(w_max, Selection(a.selection), a.mask_seed,
-                                   Payload.INT8 if a.int8_checkpoints else Payload.FP32,
-                                   Placement(a.placement), LoadPolicy(a.load_policy)))
+            park_finished=not a.no_park_finished, decode_first=DecodeFirst(a.decode_first)),
+        checkpoints=CheckpointSpec(
+            w_max=w_max, selection=Selection(a.selection), mask_seed=a.mask_seed,
+            payload=Payload.INT8 if a.int8_checkpoints else Payload.FP32,
+            placement=Placement(a.placement), load_policy=LoadPolicy(a.load_policy)))
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -279,10 +295,8 @@ def choose_w_max(args: argparse.Namespace) -> float:
 
 
 def check_device(args: argparse.Namespace) -> None:
-    if args.device == "cpu":
+    if args.device == Device.CPU:
         return
-    if args.device != "cuda":
-        raise ValueError(f"--device must be cpu or cuda (got {args.device!r})")
     import torch
 
     need, have = args.tp // args.nnodes, torch.cuda.device_count()

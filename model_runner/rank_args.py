@@ -3,7 +3,9 @@ flags themselves are declared with the rest of dasc-serve's in ``dasc_server.fla
 
 from __future__ import annotations
 
-FP32_WEIGHTS = ("auto", "on", "off")
+from scheduler.serve_config import Fp32Weights
+
+FP32_WEIGHTS = tuple(Fp32Weights)
 
 
 def fp32_weights(choice: str) -> bool | None:

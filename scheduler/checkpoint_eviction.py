@@ -4,9 +4,11 @@ consumed) or ``reuse`` (``by_value``: recency plus the prefill a hit there saves
 from __future__ import annotations
 
 from scheduler.radix_node import Node
+from scheduler.serve_config import CheckpointEviction
 
-CKPT_EVICTIONS = ("lru", "reuse")
-DEFAULT_CKPT_EVICTION = "reuse"  # the server's: docs/results/serving.md, "Checkpoint eviction"
+CKPT_EVICTIONS = tuple(CheckpointEviction)
+# the server's: docs/results/serving.md, "Checkpoint eviction"
+DEFAULT_CKPT_EVICTION = CheckpointEviction.REUSE
 
 
 def by_value(nodes: list[Node]) -> list[Node]:

@@ -17,11 +17,18 @@ from dataclasses import asdict, dataclass, field
 
 from scheduler.rank_messages import BatchPlan, LogitControls, RankInfo, Sample, SeqStep, StepResult
 from scheduler.serve_config import (
+    CheckpointAdmission,
+    CheckpointEviction,
     CheckpointSpec,
+    DecodeFirst,
+    Device,
+    Dtype,
+    Fp32Weights,
     LoadPolicy,
     Payload,
     Placement,
     RankConfig,
+    SchedulePolicyName,
     SchedulingConfig,
     Selection,
     ServeConfig,
@@ -199,5 +206,6 @@ MESSAGE_TYPES = (
     ServerInfo, RankInfo, LogitControls, Sample, SeqStep, BatchPlan, StepResult,
     # the serving config, inside ServerInfo
     ServeConfig, RankConfig, SchedulingConfig, CheckpointSpec, LoadPolicy, Selection, Payload,
-    Placement,
+    Placement, SchedulePolicyName, DecodeFirst, CheckpointEviction, CheckpointAdmission, Dtype,
+    Device, Fp32Weights,
 )

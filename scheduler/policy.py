@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from itertools import islice
 
 from scheduler.request import Req
+from scheduler.serve_config import DecodeFirst, SchedulePolicyName
 from scheduler.step_costs import DECODE_FIRST
 
-POLICIES = ("fcfs", "lpm")
+POLICIES = tuple(SchedulePolicyName)
 # lpm ranks at most this many of the oldest waiting requests per step (each costs a prefix
 # match); the rest keep arrival order behind them, as SGLang falls back to fcfs on long queues
 LPM_MAX_RANKED = 128
@@ -45,11 +46,11 @@ LPM_MAX_RANKED = 128
 class SchedulePolicy:
     """The default, lpm, measured best (docs/results/serving.md, "Schedule policies")."""
 
-    name: str = "lpm"
+    name: SchedulePolicyName = SchedulePolicyName.LPM
     schedule_max_passes: int = 32
     prefill_mix_ratio: float = 8.0  # 0: never defer (order only)
     decode_interleave: int = 0  # decode interleave: 0 lets every step carry prefill
-    decode_first: str = "off"  # "cost": defer prefill by the step costs (step_costs.py)
+    decode_first: DecodeFirst = DecodeFirst.OFF  # COST: defer prefill by the step costs
 
     def __post_init__(self):
         if self.name not in POLICIES:

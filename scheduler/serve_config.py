@@ -43,6 +43,53 @@ class Placement(StrEnum):
     HYBRID = "hybrid"
 
 
+class SchedulePolicyName(StrEnum):
+    """``--schedule-policy`` (scheduler.policy)."""
+
+    FCFS = "fcfs"
+    LPM = "lpm"
+
+
+class DecodeFirst(StrEnum):
+    """``--decode-first`` (scheduler.step_costs)."""
+
+    OFF = "off"
+    COST = "cost"  # defer prefill while the running decodes should finish first
+
+
+class CheckpointEviction(StrEnum):
+    """``--checkpoint-eviction`` (scheduler.checkpoint_eviction)."""
+
+    LRU = "lru"
+    REUSE = "reuse"
+
+
+class CheckpointAdmission(StrEnum):
+    """``--checkpoint-admission`` (scheduler.admission)."""
+
+    BRANCH = "branch"
+    ALL = "all"
+    REUSE = "reuse"
+
+
+class Dtype(StrEnum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+class Device(StrEnum):
+    CPU = "cpu"
+    CUDA = "cuda"  # one GPU per rank
+
+
+class Fp32Weights(StrEnum):
+    """``--cpu-fp32-weights`` (model_runner.rank_args.fp32_weights)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointSpec:
     """What a checkpoint slot holds, and what a hit on it restores."""
@@ -78,9 +125,9 @@ class CheckpointSpec:
 class RankConfig:
     """How every rank builds its runner and sizes its checkpoint pool."""
 
-    dtype: str  # "float32" | "bfloat16"
-    device: str  # "cpu" | "cuda" (one GPU per rank)
-    cpu_fp32_weights: str  # "auto" | "on" | "off" (model_runner.rank_args.fp32_weights)
+    dtype: Dtype
+    device: Device
+    cpu_fp32_weights: Fp32Weights
     cpu_packed_weights: bool
     cuda_graph: bool  # on cuda: replay decode steps as CUDA graphs
     cuda_graph_max_bs: int
@@ -99,16 +146,16 @@ class SchedulingConfig:
     # (scheduler_config.py), or from step_target_ms
     step_target_ms: float | None  # the ranks time a prefill at start-up; None: off
     checkpoint_interval: int  # prompt tokens between stored checkpoints; 0: prompt end only
-    schedule_policy: str  # scheduler.policy.POLICIES
+    schedule_policy: SchedulePolicyName
     schedule_max_passes: int
     prefill_mix_ratio: float
     decode_interleave: int
-    checkpoint_eviction: str  # scheduler.radix_cache.CKPT_EVICTIONS
-    checkpoint_admission: str  # scheduler.admission.CKPT_ADMISSIONS
+    checkpoint_eviction: CheckpointEviction
+    checkpoint_admission: CheckpointAdmission
     prefix_cache: bool
     cache_finished: bool
     park_finished: bool = True
-    decode_first: str = "off"  # scheduler.step_costs.DECODE_FIRST
+    decode_first: DecodeFirst = DecodeFirst.OFF
 
 
 @dataclass(frozen=True, slots=True)

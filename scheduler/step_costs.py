@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DECODE_FIRST = ("off", "cost")
+from scheduler.serve_config import DecodeFirst
+
+DECODE_FIRST = tuple(DecodeFirst)
 MIN_SAMPLE_TOKENS = 32  # a step with fewer prefill tokens than this says little about a token
 SMOOTHING = 0.25  # weight of the newest step in each running average
 
