@@ -26,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 import httpx
 
 from client.cli_help import DefaultsHelpFormatter
-from dasc_server.spawn import Server, running_server
+from loadgen.spawn import Server, running_server
 from scheduler.ipc import free_port
 
 

@@ -1,4 +1,4 @@
-"""Real dasc-serve processes for tests (``dasc_server.spawn``), the built-in model paths and
+"""Real dasc-serve processes for tests (``loadgen.spawn``), the built-in model paths and
 their byte tokenizer (id == UTF-8 byte, ``EOS`` = 258 = <eos>)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from multiprocessing.connection import Connection
 
-from dasc_server.spawn import ROOT, Server, running_server
+from loadgen.spawn import ROOT, Server, running_server
 from scheduler import ipc
 
 ASSETS = ROOT / "model_runner" / "assets"

@@ -21,7 +21,7 @@ from process_helpers import children_of, children_running, wait_group_gone
 from serving import KIMI, QWEN, running_server
 
 from dasc_server import launch
-from dasc_server.spawn import descendants
+from loadgen.spawn import descendants
 
 
 def wait_exit(proc: subprocess.Popen, timeout: float) -> int:

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
-from dasc_server.spawn import running_server
 from loadgen.bench.report import markdown_table
 from loadgen.sender import run_window
+from loadgen.spawn import running_server
 from loadgen.stream import make_client
 from loadgen.summary import summarize
 from loadgen.workload import Request, multi_turn

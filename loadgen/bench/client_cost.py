@@ -32,9 +32,9 @@ from pathlib import Path
 import httpx
 
 from client.cli_help import DefaultsHelpFormatter
-from dasc_server.spawn import descendants, running_server
 from loadgen.bench.report import markdown_table
 from loadgen.sender import run_sequential, run_window
+from loadgen.spawn import descendants, running_server
 from loadgen.stream import make_client, request_body
 from loadgen.workload import Request, random_ids
 

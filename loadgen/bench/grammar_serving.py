@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from dasc_server.spawn import running_server
+from loadgen.spawn import running_server
 
 SCHEMA = {"type": "array", "minItems": 256, "items": {"enum": ["ab", "cd", "ef"]}}
 

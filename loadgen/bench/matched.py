@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 
-from dasc_server.spawn import running_server
 from loadgen.bench.arms import Arm, SlotPlanner, check_live_slots
 from loadgen.bench.report import (
     markdown_table,
@@ -30,6 +29,7 @@ from loadgen.bench.report import (
     write_json,
 )
 from loadgen.phases import Phase, phase_dataset, plan_phases, run_phases
+from loadgen.spawn import running_server
 from loadgen.stream import make_client
 
 PAPER_CAPACITY = 2.63  # Kimi-KDA complete-checkpoint capacity ratio the paper's targets use

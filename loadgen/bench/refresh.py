@@ -23,11 +23,11 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from dasc_server.spawn import running_server
 from loadgen.bench.arms import Arm
 from loadgen.bench.matched import server_flags
 from loadgen.bench.report import markdown_table, per_seed, pm, run_metrics, write_json
 from loadgen.sender import Progress, run_window
+from loadgen.spawn import running_server
 from loadgen.stream import ServerAdmin, make_client
 from loadgen.workload import multi_turn
 from model_runner.config import ModelConfig

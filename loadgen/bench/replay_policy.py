@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 
 from client.cli_help import DefaultsHelpFormatter
-from dasc_server.spawn import running_server
 from loadgen.bench.arms import Arm, SlotPlanner
 from loadgen.bench.report import markdown_table, run_metrics
 from loadgen.sender import run_window
+from loadgen.spawn import running_server
 from loadgen.stream import make_client
 from loadgen.workload import Request, random_ids
 from model_runner.config import DEFAULT_MODEL

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from dasc_server.spawn import running_server
+from loadgen.spawn import running_server
 from model_runner.config import DEFAULT_MODEL
 
 
