@@ -16,8 +16,14 @@ beside every fast path (as fla).
     delta_rule/    the gated delta rule's compiled forms
         cpu_chunk.c   CPU prefill (GDN): chunk by chunk by forward substitution, each state
                       in its slot; model_runner/ops/delta_rule.py is the torch form
-    cpu_fused/     activation passes in one pass each (CPU): the GDN gated output norm, q/k
-        fused.c       L2 norms with v's conversion, a dense MLP's silu(gate) * up
+    cpu_fused/     norm and activation passes in one pass each (CPU): the GDN gated output
+        fused.c       norm, q/k L2 norms with v's conversion, a dense MLP's silu(gate) * up,
+                      the RMS norms
+    decode_attention/  one query token per sequence over its KV rows in the pool (CPU);
+        attention.c   model_runner/layers/attention.py's _decode_each is the torch form
+    moe_decode/    a decode step's experts, each used expert's weights streamed once (CPU);
+        experts.c     model_runner/layers/mlp.py's SparseMoE forms are the torch forms
+    cpu_simd.h     the helpers those three C files share (bf16 roundings, exp, AVX-512 forms)
     native_build.py compiles and loads the C libraries on first use (ctypes)
     interpreted.py runs the Triton kernels on CPU under the Triton interpreter (tests)
 """

@@ -1,11 +1,13 @@
 """Compile-on-first-use C libraries for the CPU paths (``ragged_state/native.c``,
-``cpu_decode/native.c``, ``delta_rule/cpu_chunk.c``, ``cpu_fused/fused.c``), loaded through
-ctypes.
+``cpu_decode/native.c``, ``delta_rule/cpu_chunk.c``, ``cpu_fused/fused.c``,
+``decode_attention/attention.c``, ``moe_decode/experts.c``; the last three share
+``cpu_simd.h``), loaded through ctypes.
 
 A library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`; well under a second)
 into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory when that is
-unusable), keyed by the source, compiler and flags.  Without a compiler, or with
-`DASC_NATIVE_KERNELS=0`, ``load_library`` returns None and callers take their torch path.
+unusable), keyed by the source, the shared headers, the compiler and the flags.  Without a
+compiler, or with `DASC_NATIVE_KERNELS=0`, ``load_library`` returns None and callers take
+their torch path.
 Built without -ffast-math and with -ffp-contract=off, so every operation rounds as written: a
 fused multiply-add happens only where the source asks for one.
 """
@@ -23,6 +25,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+KERNELS = Path(__file__).parent  # the headers the sources include ("../cpu_simd.h")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
 I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -55,12 +58,22 @@ def enabled() -> bool:
     return _enabled
 
 
+def runs_here(*tensors) -> bool:
+    """Whether a native kernel may take these tensors: on the CPU, autograd off, native kernels
+    switched on (each kernel adds its own library, dtype and layout checks)."""
+    import torch
+
+    return (_enabled and not torch.is_grad_enabled()
+            and all(t.device.type == "cpu" for t in tensors))
+
+
 def _build(source: Path, name: str, compiler: list[str], cache_dir: Path,
            flags: tuple[str, ...]) -> Path:
     """Compile once per (source, flags, compiler, machine); concurrent builders (several ranks)
     each write a temporary file and rename it into place."""
     flags = (*FLAGS, *flags)
-    key = hashlib.sha256(source.read_bytes() + " ".join((*compiler, *flags)).encode())
+    headers = b"".join(h.read_bytes() for h in sorted(KERNELS.glob("*.h")))  # cpu_simd.h
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join((*compiler, *flags)).encode())
     target = cache_dir / f"{name}-{platform.machine()}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

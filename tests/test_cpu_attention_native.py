@@ -1,4 +1,4 @@
-"""Decode attention in C (``kernels.cpu_fused.attention_decode``) against its torch form
+"""Decode attention in C (``kernels.decode_attention.attention_decode``) against its torch form
 (``layers/attention.py``'s ``_decode_each`` over the gathered rows):
 - bf16: at most one bf16 unit in the last place from torch's result, on under 1 % of the values
   (its dot products, exponential and softmax sum run in another order);
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_fused import attention_decode, native_library, simd_available
+from kernels.decode_attention import attention_decode, native_library, simd_available
 from model_runner.layers import attention
 from model_runner.layers.attention import _decode_each, split_kv, table_decode_attention
 

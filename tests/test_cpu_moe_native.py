@@ -1,4 +1,4 @@
-"""The experts of a decode step in C (``kernels.cpu_fused.moe_decode``) against the torch
+"""The experts of a decode step in C (``kernels.moe_decode.moe_decode``) against the torch
 routed form (``SparseMoE._routed_experts``):
 - bf16: at most one bf16 unit in the last place from the routed form, on under 1 % of the
   values (each product sums its input rows in order, oneDNN's GEMMs in another);
@@ -14,7 +14,7 @@ import pytest
 import torch
 from moe_layers import moe, run
 
-from kernels.cpu_fused import MOE_DECODE_MAX_TOKENS, moe_decode, native_library, simd_available
+from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode, native_library, simd_available
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
 

@@ -8,7 +8,7 @@ Prefill runs through ``F.scaled_dot_product_attention`` on every device (torch p
 kernel the shapes and mask allow, flash attention on CPU too; GQA through ``enable_gqa``): at
 real shapes the explicit softmax was 2.8x slower in fp32 and 100x slower in bf16 on CPU.  A CPU
 decode query (one token) keeps the explicit softmax: in C over the rows where they lie
-(``split_kv`` caches, ``kernels.cpu_fused.attention_decode``), else in torch over gathered
+(``split_kv`` caches, ``kernels.decode_attention.attention_decode``), else in torch over gathered
 copies; CUDA takes SDPA there as well.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_fused import attention_decode
+from kernels.decode_attention import attention_decode
 from model_runner.batch import ForwardBatch
 from model_runner.layers.linear import emulates_bf16
 
@@ -104,8 +104,8 @@ def gather_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def split_kv(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``expand`` of a cache whose rows are [2, Hkv, D] = [K | V]; decode over such a cache
-    takes ``kernels.cpu_fused.attention_decode`` on a CPU, which reads the rows where they lie
-    in the pool (no gathered copy) and gives each sequence the bits it gets alone."""
+    takes ``kernels.decode_attention.attention_decode`` on a CPU, which reads the rows where
+    they lie in the pool (no gathered copy) and gives each sequence the bits it gets alone."""
     return entries[:, 0], entries[:, 1]
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_fused import MOE_DECODE_MAX_TOKENS, moe_decode, silu_mul
+from kernels.cpu_fused import silu_mul
+from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import (
     ColumnParallelLinear,
@@ -226,7 +227,7 @@ class SparseMoE(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:  # x: [N, hidden]
-        """A bf16 CPU step of a few tokens (decode) takes ``kernels.cpu_fused.moe_decode``, the
+        """A bf16 CPU step of a few tokens (decode) takes ``kernels.moe_decode.moe_decode``, the
         shared expert included: the torch forms' roundings, each used expert's weights streamed
         once, no per-expert calls.
         ``is_static``: a graph-safe form for fixed-shape decode (fixed shapes, no host sync):

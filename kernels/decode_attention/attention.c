@@ -1,0 +1,211 @@
+#include "../cpu_simd.h"
+
+/* One query token per sequence attending over its KV rows in the pool, read where they lie.
+ * Mirrors model_runner/layers/attention.py's `_decode_each` for one (sequence, KV head):
+ *
+ *     s_j = round(round(q . k_j) * scale);  p = round(softmax(s));  out = round(sum_j p_j v_j)
+ *
+ * round() as above, so FP32 models round nowhere.  The r = H / Hkv query heads of KV head g
+ * (heads g * r ... g * r + r - 1) share each key row as it is read.  Each dot product runs in
+ * 16 lanes (lane l takes elements l, l + 16, ... by one fma chain) added pairwise; the softmax
+ * sum likewise over j; each output element is one fma chain over j in order.  The portable
+ * form follows the same order, so both give the same bits. */
+static float dot_portable(const float *q, const void *k, int64_t D, int bf16) {
+    float lane[16] = {0};
+    for (int64_t c = 0; c < D; ++c)
+        lane[c % 16] = fmaf(q[c], load_elem(k, c, bf16), lane[c % 16]);
+    for (int half = 8; half; half /= 2)
+        for (int l = 0; l < half; ++l)
+            lane[l] = lane[l] + lane[l + half];
+    return lane[0];
+}
+
+/* p[j] = exp(s[j] - max) / sum, rounded; the sum in 16 lanes by j % 16, added pairwise. */
+static void softmax_portable(float *s, int64_t n, int bf16) {
+    float m = -INFINITY, lane[16] = {0};
+    for (int64_t j = 0; j < n; ++j)
+        m = fmaxf(m, s[j]);
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] = exp1(s[j] - m);
+        lane[j % 16] = lane[j % 16] + s[j];
+    }
+    for (int half = 8; half; half /= 2)
+        for (int l = 0; l < half; ++l)
+            lane[l] = lane[l] + lane[l + half];
+    const float inv = 1.0f / lane[0];
+    for (int64_t j = 0; j < n; ++j)
+        s[j] = round_to(s[j] * inv, bf16);
+}
+
+#ifdef HAVE_X86
+AVX512 static void softmax_avx512(float *s, int64_t n, int bf16) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; j < n; ++j)
+        m = fmaxf(m, s[j]);
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j < n; j += 16) {
+        const __mmask16 keep = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), mb));
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, e));
+        _mm512_mask_storeu_ps(s + j, keep, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / hsum16(sum));
+    for (j = 0; j < n; j += 16) {
+        const __mmask16 keep = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 p = round16(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, s + j), inv), bf16);
+        _mm512_mask_storeu_ps(s + j, keep, p);
+    }
+}
+#endif
+
+#ifdef HAVE_X86
+/* attend_group's AVX-512 form (D % 16 == 0, r <= 16); inlined for each common r, so that
+ * the accumulators stay in registers. */
+AVX512 static inline __attribute__((always_inline)) void
+attend_avx512(const float *qf, int64_t r, const char *base, int64_t row_stride, int64_t v_offset,
+              const int64_t *rows, int64_t n, int64_t D, float scale, int bf16, float *s,
+              void *out) {
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < n; ++j) {
+        const char *k = base + rows[j] * row_stride * elem;
+        __m512 acc[16];
+        for (int64_t i = 0; i < r; ++i)
+            acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            const __m512 kc = load16(k, c, bf16);
+            for (int64_t i = 0; i < r; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * D + c), kc, acc[i]);
+        }
+        for (int64_t i = 0; i < r; ++i)
+            s[i * n + j] = hsum16(acc[i]);
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < r; ++i) {
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 keep = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 raw = _mm512_maskz_loadu_ps(keep, s + i * n + j);
+            _mm512_mask_storeu_ps(s + i * n + j, keep,
+                                  round16(_mm512_mul_ps(round16(raw, bf16), scale16), bf16));
+        }
+        softmax_avx512(s + i * n, n, bf16);
+    }
+    const int64_t group = 16 / r; /* 16-wide column blocks per pass: r * group <= 16 */
+    for (int64_t c0 = 0; c0 < D; c0 += 16 * group) {
+        const int64_t width = D - c0 < 16 * group ? (D - c0) / 16 : group;
+        __m512 acc[16];
+        for (int64_t a = 0; a < r * width; ++a)
+            acc[a] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+            const char *v = base + (rows[j] * row_stride + v_offset) * elem;
+            for (int64_t c = 0; c < width; ++c) {
+                const __m512 vc = load16(v, c0 + 16 * c, bf16);
+                for (int64_t i = 0; i < r; ++i)
+                    acc[i * width + c] =
+                        _mm512_fmadd_ps(_mm512_set1_ps(s[i * n + j]), vc, acc[i * width + c]);
+            }
+        }
+        for (int64_t i = 0; i < r; ++i)
+            for (int64_t c = 0; c < width; ++c)
+                store16(out, i * D + c0 + 16 * c, acc[i * width + c], bf16);
+    }
+}
+
+AVX512 static void attend_fast(const float *qf, int64_t r, const char *base, int64_t row_stride,
+                               int64_t v_offset, const int64_t *rows, int64_t n, int64_t D,
+                               float scale, int bf16, float *s, void *out) {
+    switch (r) { /* a constant r for the common group sizes */
+    case 1: attend_avx512(qf, 1, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
+        break;
+    case 2: attend_avx512(qf, 2, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
+        break;
+    case 4: attend_avx512(qf, 4, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
+        break;
+    case 8: attend_avx512(qf, 8, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
+        break;
+    default: attend_avx512(qf, r, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
+    }
+}
+#endif
+
+/* Sequence b (rows index[starts[b] + j], j < n), KV head g (base: the cache offset to its
+ * key): the r query rows qf [r, D] (FP32) -> out rows [r, D] (the model dtype).  s: scratch
+ * [r, n]. */
+static void attend_group(const float *qf, int64_t r, const char *base, int64_t row_stride,
+                         int64_t v_offset, const int64_t *rows, int64_t n, int64_t D,
+                         float scale, int bf16, int fast, float *s, void *out) {
+#ifdef HAVE_X86
+    if (fast) {
+        attend_fast(qf, r, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
+        return;
+    }
+#endif
+    (void)fast;
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < n; ++j) {
+        const char *k = base + rows[j] * row_stride * elem;
+        for (int64_t i = 0; i < r; ++i)
+            s[i * n + j] = round_to(round_to(dot_portable(qf + i * D, k, D, bf16), bf16) * scale,
+                                    bf16);
+    }
+    for (int64_t i = 0; i < r; ++i)
+        softmax_portable(s + i * n, n, bf16);
+    for (int64_t i = 0; i < r; ++i)
+        for (int64_t c = 0; c < D; ++c) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < n; ++j)
+                acc = fmaf(s[i * n + j],
+                           load_elem(base + (rows[j] * row_stride + v_offset) * elem, c, bf16),
+                           acc);
+            store_elem(out, i * D + c, acc, bf16);
+        }
+}
+
+/* q [B, H, D] and out [B, H, D] contiguous, in the cache's dtype (bf16 or FP32); the key of
+ * row x, KV head g at cache + x * row_stride + g * D, its value v_offset further (elements).
+ * Sequence b reads rows index[starts[b] ... starts[b] + lens[b]).  Returns 0, or -1 when the
+ * scratch could not be allocated (nothing written). */
+int dasc_attention_decode(const void *q, const void *cache, int64_t row_stride, int64_t v_offset,
+                          const int64_t *index, const int64_t *starts, const int64_t *lens,
+                          int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
+                          int64_t bf16, void *out, int64_t simd) {
+    const int64_t r = H / Hkv, elem = bf16 ? 2 : 4;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < B; ++b)
+        longest = lens[b] > longest ? lens[b] : longest;
+    float *s = malloc(sizeof(float) * (size_t)(r * longest + r * D));
+    if (!s)
+        return -1;
+    float *qf = s + r * longest;
+#ifdef HAVE_X86
+    const int fast = simd_ok(D, simd) && r <= 16;
+#else
+    const int fast = 0;
+    (void)simd;
+#endif
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const int64_t first = (b * H + g * r) * D;
+            for (int64_t a = 0; a < r * D; ++a)
+                qf[a] = load_elem(q, first + a, (int)bf16);
+            attend_group(qf, r, (const char *)cache + g * D * elem, row_stride, v_offset,
+                         index + starts[b], lens[b], D, scale, (int)bf16, fast, s,
+                         (char *)out + first * elem);
+        }
+    free(s);
+    return 0;
+}
+
+/* 1 where the AVX-512 forms run on this CPU; the portable forms (a scalar exponential) are
+ * references, slower than torch's products. */
+int dasc_attention_simd(void) {
+#ifdef HAVE_X86
+    return simd_ok(16, 1);
+#else
+    return 0;
+#endif
+}

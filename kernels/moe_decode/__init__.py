@@ -1,0 +1,96 @@
+"""MoE decode in C (``experts.c`` beside this file), CPU inference: the experts of a decode
+step's few tokens, routed and shared, each used expert's weights streamed once from their
+input-major storage (``model_runner/layers/mlp.py``'s ``SparseMoE`` forms are the torch forms).
+Each product sums its input rows in order, so it agrees with oneDNN's GEMMs to the last bit of
+the model dtype (tests/test_cpu_moe_native.py); its AVX-512 and portable forms give the same
+bits.  Returns None where it does not run (no C compiler, ``DASC_NATIVE_KERNELS=0``, a CPU
+without AVX-512, more tokens than ``MOE_DECODE_MAX_TOKENS``, other dtypes or layouts,
+autograd).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kernels.native_build import I64, PTR, load_library, runs_here
+
+SOURCE = Path(__file__).with_name("experts.c")
+_SIGNATURES = {
+    "dasc_moe_decode": (PTR, I64, I64, I64, PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, I64,
+                        PTR, I64),
+    "dasc_moe_simd": (),
+}
+
+
+@cache
+def native_library() -> ctypes.CDLL | None:
+    return load_library(SOURCE, "moe_decode", _SIGNATURES, "the C MoE decode",
+                        returns={"dasc_moe_decode": ctypes.c_int, "dasc_moe_simd": ctypes.c_int})
+
+
+@cache
+def simd_available() -> bool:
+    """Whether the AVX-512 form runs here.  Without it the kernel declines: its portable form
+    is the tests' reference, slower than torch."""
+    lib = native_library()
+    return lib is not None and bool(lib.dasc_moe_simd())
+
+
+def _runs(dim: int, simd: bool, *tensors: torch.Tensor) -> bool:
+    """On CPU tensors without autograd, in the AVX-512 form (rows of a multiple of 16 on an
+    AVX-512 CPU) unless ``simd`` is False (tests)."""
+    return (runs_here(*tensors) and native_library() is not None
+            and (not simd or (dim % 16 == 0 and simd_available())))
+
+
+MOE_DECODE_MAX_TOKENS = 8  # its per-token sums stay in the first two cache levels
+
+
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+               w2: torch.Tensor, shared: tuple | None = None, simd: bool = True
+               ) -> torch.Tensor | None:
+    """x [T, H] routed to experts ``ids`` [T, k] (int64) with ``weights`` [T, k] through
+    w13 [E, H, 2I] and w2 [E, I, H] (input-major, x's dtype), then the shared expert
+    ``shared`` = (w13 [H, 2Is], w2 [Is, H], its weights [T] or None for 1) added last ->
+    [T, H] in x's dtype, rounded where ``SparseMoE`` rounds; None where it does not run (more
+    than ``MOE_DECODE_MAX_TOKENS`` tokens, other dtypes or layouts).  Raises IndexError for
+    an expert id outside [0, E) (the C code trusts them)."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[1]
+    s13, s2, s_weights = shared if shared is not None else (None, None, None)
+    tensors = (weights, w13, w2, *(t for t in (s13, s2, s_weights) if t is not None))
+    if (not 0 < num_tokens <= MOE_DECODE_MAX_TOKENS
+            or x.dtype not in (torch.bfloat16, torch.float32)
+            or any(t.dtype != x.dtype for t in tensors)
+            or w13.shape != (num_experts, hidden, 2 * inter) or w2.shape[2] != hidden
+            or ids.dtype != torch.long or ids.shape != weights.shape or ids.shape[0] != num_tokens
+            or not all(t.is_contiguous() for t in (w13, w2))
+            or not _runs(hidden, simd, x, *tensors) or (simd and inter % 16)):
+        return None
+    shared_inter = 0
+    if s13 is not None:
+        shared_inter = s2.shape[0]
+        if (s13.shape != (hidden, 2 * shared_inter) or s2.shape != (shared_inter, hidden)
+                or not (s13.is_contiguous() and s2.is_contiguous())
+                or (s_weights is not None and s_weights.numel() != num_tokens)
+                or (simd and shared_inter % 16)):
+            return None
+        s_weights = s_weights.contiguous() if s_weights is not None else None
+    if int(ids.min()) < 0 or int(ids.max()) >= num_experts:
+        raise IndexError(f"expert ids outside [0, {num_experts})")
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    out = torch.zeros_like(x)
+    failed = native_library().dasc_moe_decode(
+        x.data_ptr(), num_tokens, hidden, inter, ids.data_ptr(), weights.data_ptr(),
+        ids.shape[1], w13.data_ptr(), w2.data_ptr(), *(_ptr(t) for t in (s13, s2)),
+        shared_inter, _ptr(s_weights), int(x.dtype == torch.bfloat16), out.data_ptr(),
+        int(simd))
+    return None if failed else out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
