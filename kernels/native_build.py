@@ -58,6 +58,19 @@ def enabled() -> bool:
     return _enabled
 
 
+def simd_probe(lib: ctypes.CDLL | None, fn: str) -> bool:
+    """Whether a loaded library's AVX-512 forms run on this CPU (its ``fn`` returns 1)."""
+    return lib is not None and bool(getattr(lib, fn)())
+
+
+def kernel_runs(library, simd_available, dim: int, simd: bool, *tensors) -> bool:
+    """A kernel with an AVX-512 form runs on CPU tensors without autograd, its library built
+    (``library()``), in the AVX-512 form (rows of a multiple of 16 on a CPU where
+    ``simd_available()``) unless ``simd`` is False (tests take the portable form)."""
+    return (runs_here(*tensors) and library() is not None
+            and (not simd or (dim % 16 == 0 and simd_available())))
+
+
 def runs_here(*tensors) -> bool:
     """Whether a native kernel may take these tensors: on the CPU, autograd off, native kernels
     switched on (each kernel adds its own library, dtype and layout checks)."""

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bf16_checks import assert_bf16_close
 from moe_layers import moe, run
 
 from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode, native_library, simd_available
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
-
-
-def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    as_int = [x.view(torch.int16).to(torch.int32) for x in (a, b)]
-    return (as_int[0] - as_int[1]).abs()
 
 
 def _inputs(layer, tokens: int, seed: int = 0):
@@ -43,10 +39,7 @@ def test_matches_the_routed_form(dtype, tokens):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         return
-    differ = got != want
-    assert bool(((got.float() * want.float())[differ] > 0).all())  # no sign flips
-    assert not bool(differ.any()) or int(_ulps_bf16(got[differ], want[differ]).max()) <= 1
-    assert float(differ.float().mean()) < 0.01
+    assert_bf16_close(got, want)
 
 
 @pytest.mark.skipif(not simd_available(), reason="no AVX-512 here")
@@ -73,7 +66,7 @@ def test_a_bf16_layer_takes_it_for_a_few_tokens(monkeypatch):
     monkeypatch.setattr(layer, "_experts", lambda *a: (taken.append(len(a[0])), real(*a))[1])
     got = layer(few)
     assert taken == [] and got.dtype == torch.bfloat16
-    assert int(_ulps_bf16(got, want).max()) <= 1
+    assert_bf16_close(got, want)
     many, _, _ = _inputs(layer, MOE_DECODE_MAX_TOKENS + 1)
     layer(many)
     assert taken == [MOE_DECODE_MAX_TOKENS + 1]
@@ -115,8 +108,7 @@ def test_the_shared_expert_is_added_last(gated):
     got = moe_decode(x, ids, weights, layer.w13, layer.w2, shared, simd=simd_available())
     dense = layer.shared_expert(x)
     want = run(layer, "routed", x) + (gate * dense if gated else dense)
-    assert int(_ulps_bf16(got, want).max()) <= 1
-    assert float((got != want).float().mean()) < 0.01
+    assert_bf16_close(got, want)
     if simd_available():
         assert torch.equal(got, moe_decode(x, ids, weights, layer.w13, layer.w2, shared,
                                            simd=False))

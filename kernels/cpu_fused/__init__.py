@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native_build import F32, I64, PTR, load_library, runs_here
+from kernels.native_build import F32, I64, PTR, kernel_runs, load_library, simd_probe
 
 SOURCE = Path(__file__).with_name("fused.c")
 _SIGNATURES = {
@@ -46,15 +46,11 @@ def native_library() -> ctypes.CDLL | None:
 def simd_available() -> bool:
     """Whether the AVX-512 forms run here.  Without them the kernels decline: their portable
     forms (a scalar exponential) are references for the tests, slower than torch."""
-    lib = native_library()
-    return lib is not None and bool(lib.dasc_fused_simd())
+    return simd_probe(native_library(), "dasc_fused_simd")
 
 
 def _runs(dim: int, simd: bool, *tensors: torch.Tensor) -> bool:
-    """The kernels run on CPU tensors without autograd, in the AVX-512 form (rows of a
-    multiple of 16 on an AVX-512 CPU) unless ``simd`` is False (tests)."""
-    return (runs_here(*tensors) and native_library() is not None
-            and (not simd or (dim % 16 == 0 and simd_available())))
+    return kernel_runs(native_library, simd_available, dim, simd, *tensors)
 
 
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native_build import F32, I64, PTR, load_library, runs_here
+from kernels.native_build import F32, I64, PTR, kernel_runs, load_library, simd_probe
 
 SOURCE = Path(__file__).with_name("attention.c")
 _SIGNATURES = {
@@ -36,15 +36,11 @@ def native_library() -> ctypes.CDLL | None:
 def simd_available() -> bool:
     """Whether the AVX-512 form runs here.  Without it the kernel declines: its portable form
     is the tests' reference, slower than torch."""
-    lib = native_library()
-    return lib is not None and bool(lib.dasc_attention_simd())
+    return simd_probe(native_library(), "dasc_attention_simd")
 
 
 def _runs(dim: int, simd: bool, *tensors: torch.Tensor) -> bool:
-    """On CPU tensors without autograd, in the AVX-512 form (rows of a multiple of 16 on an
-    AVX-512 CPU) unless ``simd`` is False (tests)."""
-    return (runs_here(*tensors) and native_library() is not None
-            and (not simd or (dim % 16 == 0 and simd_available())))
+    return kernel_runs(native_library, simd_available, dim, simd, *tensors)
 
 
 def attention_decode(q: torch.Tensor, cache: torch.Tensor, index: torch.Tensor,
