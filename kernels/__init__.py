@@ -23,7 +23,8 @@ beside every fast path (as fla).
         attention.c   model_runner/layers/attention.py's _decode_each is the torch form
     moe_decode/    a decode step's experts, each used expert's weights streamed once (CPU);
         experts.c     model_runner/layers/mlp.py's SparseMoE forms are the torch forms
-    cpu_simd.h     the helpers those three C files share (bf16 roundings, exp, AVX-512 forms)
+    cpu_simd.h     the helpers cpu_decode's and those three C files share (bf16 roundings,
+                   exp, AVX-512 forms)
     native_build.py compiles and loads the C libraries on first use (ctypes)
     interpreted.py runs the Triton kernels on CPU under the Triton interpreter (tests)
 """

@@ -1,6 +1,6 @@
 """Compile-on-first-use C libraries for the CPU paths (``ragged_state/native.c``,
 ``cpu_decode/native.c``, ``delta_rule/cpu_chunk.c``, ``cpu_fused/fused.c``,
-``decode_attention/attention.c``, ``moe_decode/experts.c``; the last three share
+``decode_attention/attention.c``, ``moe_decode/experts.c``; all but the first two share
 ``cpu_simd.h``), loaded through ctypes.
 
 A library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`; well under a second)

@@ -25,13 +25,7 @@
  * (With bf16 inputs and weights each product is exact in FP32, so fusing the add or not gives
  * the same bits there; FP32 models need the fused add.)
  */
-#include <math.h>
-#include <stdint.h>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_X86 1
-#endif
+#include "../cpu_simd.h"
 
 static void head_portable(float *S, int64_t K, int64_t V, const float *wk, const float *wq,
                           float beta, float qk, const float *v, const float *k, const float *d,
@@ -124,17 +118,6 @@ void dasc_delta_decode(float *pool, int64_t slot_stride, const int64_t *slots, i
     }
 }
 
-static inline float bf16_value(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline float load_elem(const void *p, int64_t i, int64_t bf16) {
-    return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 /* A kernel of 4 taps (width 3), the models' conv: straight-line, so it vectorises. */
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -223,14 +206,6 @@ static void window_row_avx512(const void *r, int64_t x_stride, int64_t C, int64_
     }
 }
 #endif
-
-static inline uint16_t round_bf16(float f) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return 0x7fc0; /* NaN, as torch writes it */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 void dasc_conv_prefill(const void *x, int64_t x_stride, const void *states, int64_t state_stride,
                        const int64_t *cu, int64_t num_seqs, int64_t C, int64_t width,
