@@ -52,7 +52,7 @@ from dasc_server.structured import response_format_grammar
 from dasc_server.tokenize_routes import add_tokenize_routes
 from dasc_server.tokenizer_threads import TokenizerThreads
 from dasc_server.tool_calls import ToolPlan, tool_plan
-from scheduler.messages import SamplingParams
+from scheduler.wire.messages import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it

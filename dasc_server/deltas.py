@@ -28,7 +28,7 @@ from dasc_server.detokenizer import IncrementalDetokenizer
 from dasc_server.engine_client import EngineClient, EngineDead
 from dasc_server.jobs import Choice, Delta, Job
 from dasc_server.request_errors import RequestError
-from scheduler.messages import TokenOut
+from scheduler.wire.messages import TokenOut
 
 
 def engine_down(reason: str) -> RequestError:

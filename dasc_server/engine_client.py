@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from queue import SimpleQueue
 
-from scheduler import ipc
-from scheduler.messages import (
+from scheduler.wire import ipc
+from scheduler.wire.messages import (
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,

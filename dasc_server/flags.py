@@ -19,7 +19,7 @@ from scheduler.admission import DEFAULT_CKPT_ADMISSION
 from scheduler.checkpoint_eviction import DEFAULT_CKPT_EVICTION
 from scheduler.policy import SchedulePolicy
 from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL
-from scheduler.serve_config import (
+from scheduler.wire.serve_config import (
     CheckpointAdmission,
     CheckpointEviction,
     CheckpointSpec,

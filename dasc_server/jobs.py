@@ -11,7 +11,7 @@ from dasc_server.detokenizer import TextOffsets
 from dasc_server.metrics import Metrics
 from dasc_server.reasoning import ReasoningStream
 from dasc_server.tool_calls import ToolCallStream
-from scheduler.messages import SamplingParams
+from scheduler.wire.messages import SamplingParams
 
 
 @dataclass(slots=True)

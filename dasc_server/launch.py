@@ -36,9 +36,9 @@ from pathlib import Path
 
 from dasc_server.flags import parse_args, serve_config, validate
 from model_runner.processes import exit_now
-from scheduler import ipc
-from scheduler.messages import ServerInfo, Shutdown
-from scheduler.serve_config import ServeConfig
+from scheduler.wire import ipc
+from scheduler.wire.messages import ServerInfo, Shutdown
+from scheduler.wire.serve_config import ServeConfig
 
 
 def bind_http(host: str, port: int) -> socket.socket:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from scheduler.messages import ServerInfo, Stats
-from scheduler.serve_config import LoadPolicy
+from scheduler.wire.messages import ServerInfo, Stats
+from scheduler.wire.serve_config import LoadPolicy
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

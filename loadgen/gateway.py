@@ -27,7 +27,7 @@ import httpx
 
 from client.cli_help import DefaultsHelpFormatter
 from loadgen.spawn import Server, running_server
-from scheduler.ipc import free_port
+from scheduler.wire.ipc import free_port
 
 
 @contextmanager

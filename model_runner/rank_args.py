@@ -3,7 +3,7 @@ flags themselves are declared with the rest of dasc-serve's in ``dasc_server.fla
 
 from __future__ import annotations
 
-from scheduler.serve_config import Fp32Weights
+from scheduler.wire.serve_config import Fp32Weights
 
 FP32_WEIGHTS = tuple(Fp32Weights)
 

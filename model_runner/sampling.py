@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from model_runner.grammar import GrammarMatcher, TokenizerCache
-from scheduler.rank_messages import LogitControls, Sample
+from scheduler.wire.rank_messages import LogitControls, Sample
 
 _MIX = 0x9E3779B97F4A7C15
 

@@ -37,11 +37,11 @@ from model_runner.processes import exit_now
 from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
-from scheduler import ipc
-from scheduler.messages import Shutdown
-from scheduler.rank_messages import BatchPlan, RankInfo, RowTables, SeqStep, StepResult
 from scheduler.scheduler_config import active_state_slots
-from scheduler.serve_config import CheckpointSpec, Payload, RankConfig, Selection, ServeConfig
+from scheduler.wire import ipc
+from scheduler.wire.messages import Shutdown
+from scheduler.wire.rank_messages import BatchPlan, RankInfo, RowTables, SeqStep, StepResult
+from scheduler.wire.serve_config import CheckpointSpec, Payload, RankConfig, Selection, ServeConfig
 
 
 def build_plan(model_dir: str, cfg: ModelConfig, spec: CheckpointSpec) -> SelectionPlan:

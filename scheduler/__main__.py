@@ -13,8 +13,11 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from scheduler import ipc
-from scheduler.messages import (
+from scheduler.policy import SchedulePolicy
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL, SchedulerConfig, prefill_budget
+from scheduler.wire import ipc
+from scheduler.wire.messages import (
     AbortReq,
     FlushCacheDone,
     FlushCacheReq,
@@ -25,11 +28,8 @@ from scheduler.messages import (
     StatsReq,
     TokenBatch,
 )
-from scheduler.policy import SchedulePolicy
-from scheduler.rank_messages import RankInfo, StepResult
-from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL, SchedulerConfig, prefill_budget
-from scheduler.serve_config import SchedulingConfig, ServeConfig
+from scheduler.wire.rank_messages import RankInfo, StepResult
+from scheduler.wire.serve_config import SchedulingConfig, ServeConfig
 
 IDLE_POLL_S = 0.5
 QUIET_S = 0.05  # idle this long before the integrity check runs

@@ -29,7 +29,7 @@ state at each (scheduler/step_planner.py says when it ends at one instead).
 from __future__ import annotations
 
 from scheduler.radix_cache import RadixCache
-from scheduler.serve_config import CheckpointAdmission
+from scheduler.wire.serve_config import CheckpointAdmission
 
 CKPT_ADMISSIONS = tuple(CheckpointAdmission)
 DEFAULT_CKPT_ADMISSION = CheckpointAdmission.BRANCH

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from itertools import islice
 
 from scheduler.request import Req
-from scheduler.serve_config import DecodeFirst, SchedulePolicyName
 from scheduler.step_costs import DECODE_FIRST
+from scheduler.wire.serve_config import DecodeFirst, SchedulePolicyName
 
 POLICIES = tuple(SchedulePolicyName)
 # lpm ranks at most this many of the oldest waiting requests per step (each costs a prefix

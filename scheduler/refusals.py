@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from scheduler.messages import SamplingParams
 from scheduler.scheduler_config import SchedulerConfig
+from scheduler.wire.messages import SamplingParams
 
 
 def _is_real(x: object) -> bool:

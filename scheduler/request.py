@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.messages import SamplingParams
 from scheduler.radix_cache import Node
+from scheduler.wire.messages import SamplingParams
 
 
 @dataclass(slots=True, eq=False)

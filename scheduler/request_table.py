@@ -14,11 +14,11 @@ import random
 from collections import deque
 
 from scheduler.index_pool import IndexPool
-from scheduler.messages import Counters, SamplingParams, TokenOut
 from scheduler.radix_cache import RadixCache
 from scheduler.refusals import check_request
 from scheduler.request import Req
 from scheduler.scheduler_config import SchedulerConfig
+from scheduler.wire.messages import Counters, SamplingParams, TokenOut
 
 
 class RequestTable:

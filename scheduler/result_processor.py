@@ -4,11 +4,11 @@ the checkpoints stored at chunk ends, sampled tokens and finishes, and the step'
 
 from __future__ import annotations
 
-from scheduler.messages import TokenOut
-from scheduler.rank_messages import StepResult
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.step_planner import InFlight
+from scheduler.wire.messages import TokenOut
+from scheduler.wire.rank_messages import StepResult
 
 
 def process_result(table: RequestTable, inflight: list[InFlight],

@@ -16,14 +16,14 @@ from dataclasses import replace
 
 from scheduler.admission import check_admission
 from scheduler.index_pool import IndexPool
-from scheduler.messages import Counters, SamplingParams, TokenOut
 from scheduler.radix_cache import RadixCache
-from scheduler.rank_messages import BatchPlan, StepResult
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.result_processor import process_result
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.step_planner import StepPlanner
+from scheduler.wire.messages import Counters, SamplingParams, TokenOut
+from scheduler.wire.rank_messages import BatchPlan, StepResult
 
 
 class Scheduler:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from scheduler.admission import DEFAULT_CKPT_ADMISSION
 from scheduler.checkpoint_eviction import DEFAULT_CKPT_EVICTION
 from scheduler.policy import SchedulePolicy
-from scheduler.serve_config import LoadPolicy
+from scheduler.wire.serve_config import LoadPolicy
 
 
 def prefill_budget(tokens_per_s: float, step_target_ms: float, low: int = 64,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.serve_config import DecodeFirst
+from scheduler.wire.serve_config import DecodeFirst
 
 DECODE_FIRST = tuple(DecodeFirst)
 MIN_SAMPLE_TOKENS = 32  # a step with fewer prefill tokens than this says little about a token

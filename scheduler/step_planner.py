@@ -52,12 +52,12 @@ from typing import NamedTuple
 from scheduler.admission import MIN_BRANCH_GAIN, store_points
 from scheduler.policy import LPM_MAX_RANKED, count_passes
 from scheduler.radix_cache import Node
-from scheduler.rank_messages import BatchPlan, LogitControls, Sample, SeqStep
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.scheduler_config import SchedulerConfig
-from scheduler.serve_config import LoadPolicy
 from scheduler.step_costs import StepCosts
+from scheduler.wire.rank_messages import BatchPlan, LogitControls, Sample, SeqStep
+from scheduler.wire.serve_config import LoadPolicy
 
 
 class InFlight(NamedTuple):

@@ -9,9 +9,9 @@ from radix_helpers import prefix_hashes
 
 from scheduler.admission import MIN_BRANCH_GAIN
 from scheduler.radix_cache import Node
-from scheduler.rank_messages import BatchPlan, RowTables, SeqStep
 from scheduler.scheduler import Scheduler
-from scheduler.serve_config import LoadPolicy
+from scheduler.wire.rank_messages import BatchPlan, RowTables, SeqStep
+from scheduler.wire.serve_config import LoadPolicy
 
 
 def state_of(tokens: list[int]) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from scheduler.rank_messages import LogitControls
+from scheduler.wire.rank_messages import LogitControls
 
 
 def reference(logits: torch.Tensor, c: LogitControls, prompt: list[int], output: list[int]

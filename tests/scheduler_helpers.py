@@ -8,10 +8,10 @@ import random
 
 from fake_ranks import FakeRanks
 
-from scheduler.messages import SamplingParams, TokenOut
-from scheduler.rank_messages import BatchPlan, StepResult
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
+from scheduler.wire.messages import SamplingParams, TokenOut
+from scheduler.wire.rank_messages import BatchPlan, StepResult
 
 EOS = 0
 

@@ -7,7 +7,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from loadgen.spawn import ROOT, Server, running_server
-from scheduler import ipc
+from scheduler.wire import ipc
 
 ASSETS = ROOT / "model_runner" / "assets"
 KIMI, QWEN = ASSETS / "kimi-linear-tiny", ASSETS / "qwen3-next-tiny"

@@ -178,8 +178,8 @@ def test_reuse_keeps_the_ends_of_a_turn_and_skips_a_branch_they_cover():
 def test_the_flag_reaches_the_scheduler():
     from dasc_server.flags import parse_args, serve_config
     from scheduler.__main__ import scheduler_config
-    from scheduler.rank_messages import RankInfo
-    from scheduler.serve_config import ServeConfig
+    from scheduler.wire.rank_messages import RankInfo
+    from scheduler.wire.serve_config import ServeConfig
 
     info = RankInfo("kimi_linear", 1, 64, None, 4096, 4, 100, 100, 0)
     for flags, admission in (([], "branch"), (["--checkpoint-admission", "all"], "all"),

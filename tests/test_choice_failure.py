@@ -23,8 +23,8 @@ from transformers import AutoTokenizer
 
 from dasc_server.app import create_app
 from dasc_server.flags import parse_args, serve_config
-from scheduler.messages import ServerInfo, TokenOut
-from scheduler.rank_messages import RankInfo
+from scheduler.wire.messages import ServerInfo, TokenOut
+from scheduler.wire.rank_messages import RankInfo
 
 RANK = RankInfo(model_type="kimi_linear", tp_size=1, vocab_size=264, eos_token_id=258,
                 max_context_len=8192, num_checkpoint_slots=8, checkpoint_bytes_per_slot=1,

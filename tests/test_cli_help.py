@@ -24,7 +24,7 @@ from loadgen.quality.table1b import build_parser as table1b_parser
 from model_runner.compression.analysis.plan_cli import build_parser as plan_parser
 from model_runner.compression.analysis.plan_cli import main as dasc_plan
 from model_runner.generate import build_parser as generate_parser
-from scheduler.ipc import free_port
+from scheduler.wire.ipc import free_port
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"

@@ -17,10 +17,10 @@ from serving import KIMI, running_server
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
-from scheduler.messages import SamplingParams
-from scheduler.rank_messages import StepResult
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
+from scheduler.wire.messages import SamplingParams
+from scheduler.wire.rank_messages import StepResult
 
 MODEL_NAME = KIMI.name
 PROMPT_IDS = list(b"The grass is green. The sky is blue and the sea is wide. Snow is")  # 64

@@ -14,7 +14,7 @@ def test_sends_to_a_scheduler_that_does_not_read_never_block_the_event_loop(monk
     from serving import ipc_pair
 
     from dasc_server.engine_client import EngineClient
-    from scheduler.messages import SamplingParams
+    from scheduler.wire.messages import SamplingParams
 
     conn, scheduler_end = ipc_pair(monkeypatch)  # never read from
     engine = EngineClient(conn, info=None)

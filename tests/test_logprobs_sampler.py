@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model_runner.sampling import RequestControls, sample_tokens, top_logprobs
-from scheduler.rank_messages import LogitControls, Sample
+from scheduler.wire.rank_messages import LogitControls, Sample
 
 VOCAB = 64
 

@@ -127,7 +127,7 @@ def test_serving_rank_checks_a_row_table_when_it_arrives(tmp_path):
     from model_runner.batch import SeqInput
     from model_runner.runner import ModelRunner, RunnerConfig
     from model_runner.serve_rank import execute, row_tables
-    from scheduler.rank_messages import BatchPlan, Sample, SeqStep
+    from scheduler.wire.rank_messages import BatchPlan, Sample, SeqStep
 
     def greedy(index: int) -> Sample:
         return Sample(temperature=0.0, top_p=1.0, top_k=0, seed=0, index=index)

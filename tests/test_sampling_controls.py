@@ -10,7 +10,7 @@ import torch
 from logit_controls_reference import reference
 
 from model_runner.sampling import LogitControlTable, RequestControls, sample_tokens
-from scheduler.rank_messages import LogitControls, Sample
+from scheduler.wire.rank_messages import LogitControls, Sample
 
 VOCAB = 50
 EOS = 7
@@ -178,9 +178,9 @@ def test_table_keeps_controls_until_release_and_checks_the_position():
 def test_controls_cross_the_ipc_boundary():
     from multiprocessing import Pipe
 
-    from scheduler import ipc
-    from scheduler.messages import GenerateReq, SamplingParams
-    from scheduler.rank_messages import BatchPlan, SeqStep
+    from scheduler.wire import ipc
+    from scheduler.wire.messages import GenerateReq, SamplingParams
+    from scheduler.wire.rank_messages import BatchPlan, SeqStep
 
     a, b = Pipe()
     params = SamplingParams(logit_bias={3: -100.0, 5: 2}, presence_penalty=0.5,

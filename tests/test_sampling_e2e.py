@@ -16,10 +16,10 @@ from model_runner.checkpoints.pool import CheckpointFormat
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable
 from model_runner.serve_rank import build_plan, execute, row_tables
-from scheduler.messages import SamplingParams
-from scheduler.rank_messages import StepResult
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig, active_state_slots
+from scheduler.wire.messages import SamplingParams
+from scheduler.wire.rank_messages import StepResult
 
 ROWS, RUNNING = 512, 4
 PROMPT = list(b"The grass is green. The sky is blue. The grass is")
@@ -72,7 +72,7 @@ def serve(runner: ModelRunner, reqs: dict[str, tuple[list[int], SamplingParams]]
 
 def direct(runner: ModelRunner, prompt: list[int], params: SamplingParams) -> list[int]:
     """Greedy decode straight on the runner, the controls applied by ``reference``."""
-    from scheduler.rank_messages import LogitControls
+    from scheduler.wire.rank_messages import LogitControls
 
     c = LogitControls(params.logit_bias, params.presence_penalty, params.frequency_penalty,
                       params.repetition_penalty, params.min_tokens,

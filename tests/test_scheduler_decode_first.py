@@ -14,8 +14,8 @@ import pytest
 from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens
 
 from scheduler.policy import SchedulePolicy
-from scheduler.rank_messages import BatchPlan
 from scheduler.step_costs import MIN_SAMPLE_TOKENS, StepCosts
+from scheduler.wire.rank_messages import BatchPlan
 
 DECODE_S, TOKEN_S = 0.010, 0.002  # a CPU-like ratio: a prefill token costs a fifth of a step
 

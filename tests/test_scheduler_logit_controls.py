@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from scheduler_helpers import EOS, Loop, assert_drained, make, prompt_of, random_tokens
 
-from scheduler.messages import SamplingParams
+from scheduler.wire.messages import SamplingParams
 
 
 def test_bad_logit_controls_are_refused_at_add_with_a_clear_message():

@@ -8,9 +8,9 @@ import pytest
 from fake_ranks import tree_ckpts
 from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens, run_one
 
-from scheduler.messages import SamplingParams
 from scheduler.policy import SchedulePolicy
-from scheduler.serve_config import LoadPolicy
+from scheduler.wire.messages import SamplingParams
+from scheduler.wire.serve_config import LoadPolicy
 
 
 @pytest.mark.parametrize("n", [2, 5, 21, 37])

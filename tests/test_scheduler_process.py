@@ -47,8 +47,8 @@ def test_ipc_connections_send_small_frames_at_once(monkeypatch):
     import os
     import socket
 
-    from scheduler import ipc
-    from scheduler.messages import Shutdown
+    from scheduler.wire import ipc
+    from scheduler.wire.messages import Shutdown
 
     client, server = ipc_pair(monkeypatch)
     try:
@@ -67,7 +67,7 @@ def test_chunk_budget_flags():
     rate rank 0 measured; neither keeps the default."""
     from dasc_server.flags import parse_args, serve_config
     from scheduler.__main__ import DEFAULT_CHUNKED_PREFILL, chunk_budget
-    from scheduler.rank_messages import RankInfo
+    from scheduler.wire.rank_messages import RankInfo
 
     info = RankInfo("qwen3_next", 1, 64, None, 4096, 4, 100, 100, 0, prefill_tokens_per_s=4096.0)
 
@@ -86,8 +86,8 @@ def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
     from multiprocessing import AuthenticationError
     from multiprocessing.connection import Client
 
-    from scheduler import ipc
-    from scheduler.messages import StatsReq
+    from scheduler.wire import ipc
+    from scheduler.wire.messages import StatsReq
 
     monkeypatch.setenv(ipc.AUTHKEY_ENV, ipc.new_authkey())
     sock = ipc.listening_socket()
@@ -121,11 +121,11 @@ def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
 def _scheduler_loop(monkeypatch):
     """A real ``SchedulerProcess`` over real IPC in a thread, rank 0 played by the test: yields
     (front end's connection, rank 0's connection, the list of integrity checks so far)."""
-    from scheduler import ipc
     from scheduler.__main__ import SchedulerProcess
-    from scheduler.messages import Shutdown
     from scheduler.scheduler import Scheduler
     from scheduler.scheduler_config import SchedulerConfig
+    from scheduler.wire import ipc
+    from scheduler.wire.messages import Shutdown
 
     sched = Scheduler(SchedulerConfig(max_total_tokens=64, max_running_requests=2,
                                       num_checkpoint_slots=2, max_context_len=64, vocab_size=32))
@@ -149,9 +149,9 @@ def _scheduler_loop(monkeypatch):
 def _serve_one(front, rank, rid: str, checks: list[int]) -> int:
     """Send a one-token request, play rank 0 for its step and its checkpoint store; the number
     of checks that had run when its plan arrived."""
-    from scheduler import ipc
-    from scheduler.messages import GenerateReq, SamplingParams, TokenBatch
-    from scheduler.rank_messages import BatchPlan, StepResult
+    from scheduler.wire import ipc
+    from scheduler.wire.messages import GenerateReq, SamplingParams, TokenBatch
+    from scheduler.wire.rank_messages import BatchPlan, StepResult
 
     ipc.send(front, GenerateReq(rid, [3, 4, 5], SamplingParams(max_tokens=1)))
     plan = ipc.recv(rank)

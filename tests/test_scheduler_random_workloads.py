@@ -10,7 +10,7 @@ import pytest
 from scheduler_helpers import EOS, Loop, assert_drained, make
 
 from scheduler.policy import SchedulePolicy
-from scheduler.serve_config import LoadPolicy
+from scheduler.wire.serve_config import LoadPolicy
 
 CONFIGS = [
     # KV rows, active slots and checkpoint slots all tight

@@ -228,8 +228,8 @@ def test_flags_reach_the_scheduler_process():
     defaults."""
     from dasc_server.flags import parse_args, serve_config
     from scheduler.__main__ import scheduler_config
-    from scheduler.rank_messages import RankInfo
-    from scheduler.serve_config import ServeConfig
+    from scheduler.wire.rank_messages import RankInfo
+    from scheduler.wire.serve_config import ServeConfig
 
     info = RankInfo("kimi_linear", 1, 64, None, 4096, 4, 100, 100, 0)
 

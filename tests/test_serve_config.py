@@ -19,9 +19,11 @@ from serving import KIMI, ipc_pair
 
 from dasc_server.engine_client import EngineClient
 from dasc_server.flags import build_parser, parse_args, serve_config, validate
-from scheduler import ipc
 from scheduler.__main__ import SchedulerProcess
-from scheduler.messages import (
+from scheduler.scheduler import Scheduler
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.wire import ipc
+from scheduler.wire.messages import (
     Counters,
     GenerateReq,
     SamplingParams,
@@ -32,10 +34,8 @@ from scheduler.messages import (
     TokenBatch,
     TokenOut,
 )
-from scheduler.rank_messages import BatchPlan, RankInfo, StepResult
-from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import SchedulerConfig
-from scheduler.serve_config import LoadPolicy, Payload, ServeConfig
+from scheduler.wire.rank_messages import BatchPlan, RankInfo, StepResult
+from scheduler.wire.serve_config import LoadPolicy, Payload, ServeConfig
 
 # the launcher's own flags: HTTP, torchrun, timeouts, the key; every other flag is config
 LAUNCHER_ONLY = {"--served-model-name", "--tp", "--host", "--port", "--startup-timeout",

@@ -214,7 +214,7 @@ def test_two_nodes_serve_the_same_tokens_as_one(tmp_path):
     import subprocess
     import sys
 
-    from scheduler.ipc import free_port
+    from scheduler.wire.ipc import free_port
 
     port = str(free_port())
     multi = ["--model", str(KIMI), "--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",

@@ -15,7 +15,7 @@ from dasc_server.structured import json_schema_grammar, response_format_grammar
 from model_runner.byte_tokenizer import EOS_ID, MODEL_VOCAB_SIZE, NUM_BYTES
 from model_runner.grammar import TokenizerCache
 from model_runner.sampling import LogitControlTable, sample_tokens
-from scheduler.rank_messages import LogitControls, Sample
+from scheduler.wire.rank_messages import LogitControls, Sample
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "n", "tag"],
           "properties": {"color": {"enum": ["red", "green", "blue"]},

@@ -21,10 +21,10 @@ from loadgen.bench.report import markdown_table
 from loadgen.workload import Request, multi_turn, shared_prefix
 from scheduler.admission import CKPT_ADMISSIONS
 from scheduler.checkpoint_eviction import CKPT_EVICTIONS
-from scheduler.messages import SamplingParams
-from scheduler.rank_messages import StepResult
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
+from scheduler.wire.messages import SamplingParams
+from scheduler.wire.rank_messages import StepResult
 
 VOCAB = 256
 

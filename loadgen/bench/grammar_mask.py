@@ -28,7 +28,7 @@ import torch
 from dasc_server.structured import json_schema_grammar
 from model_runner.grammar import TokenizerCache
 from model_runner.sampling import LogitControlTable, sample_tokens
-from scheduler.rank_messages import LogitControls, Sample
+from scheduler.wire.rank_messages import LogitControls, Sample
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"

@@ -1,10 +1,10 @@
 """Typed messages between the three roles: front end <-> scheduler <-> rank 0 (-> other ranks).
 
 Plain dataclasses of ints, floats, strings and lists; no torch, so every role imports them.
-``scheduler.ipc`` moves them over ``multiprocessing.connection`` and refuses to decode anything
+``scheduler.wire.ipc`` moves them over ``multiprocessing.connection`` and refuses to decode anything
 that is not one of these classes (or a builtin container of scalars).
 
-The scheduler <-> rank messages live in ``scheduler.rank_messages``.
+The scheduler <-> rank messages live in ``scheduler.wire.rank_messages``.
 
 Flow of one request: GenerateReq (front end) -> the scheduler plans BatchPlans -> rank 0 returns
 a StepResult per plan -> the scheduler sends one TokenBatch per step to the front end, holding a
@@ -15,8 +15,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from scheduler.rank_messages import BatchPlan, LogitControls, RankInfo, Sample, SeqStep, StepResult
-from scheduler.serve_config import (
+from scheduler.wire.rank_messages import (
+    BatchPlan,
+    LogitControls,
+    RankInfo,
+    Sample,
+    SeqStep,
+    StepResult,
+)
+from scheduler.wire.serve_config import (
     CheckpointAdmission,
     CheckpointEviction,
     CheckpointSpec,

@@ -1,6 +1,6 @@
 """Typed messages between the scheduler and rank 0 (which forwards to the other ranks): rank 0's
 start-up report, one ``BatchPlan`` per step with its sequences and samples, and the
-``StepResult`` that answers it.  Plain dataclasses, no torch; ``scheduler.messages`` lists them
+``StepResult`` that answers it.  Plain dataclasses, no torch; ``scheduler.wire.messages`` lists them
 among the classes IPC may decode."""
 
 from __future__ import annotations

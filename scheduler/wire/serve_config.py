@@ -6,7 +6,7 @@ Only what crosses a process boundary is here; the launcher's own settings (HTTP,
 API key, timeouts) stay in the launcher.  No field has a default: the flags own the defaults,
 and a config is always built whole.  Standard library only, importing nothing of the project:
 the front end, the torch-free scheduler and the ranks all import it, and ``ServerInfo``
-(``scheduler.messages``) carries it back to the front end.
+(``scheduler.wire.messages``) carries it back to the front end.
 """
 
 from __future__ import annotations

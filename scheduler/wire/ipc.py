@@ -4,7 +4,7 @@ Why this transport: it is in the standard library (no broker, no extra dependenc
 messages, and its ``authkey`` handshake (HMAC challenge) keeps other local users from talking to
 the scheduler.  Every connection is point to point (front end <-> scheduler <-> rank 0) and
 strictly ordered, which is all the engine needs.  Messages are the dataclasses and enums of
-``scheduler.messages.MESSAGE_TYPES`` (the serving config's among them), pickled; decoding goes
+``scheduler.wire.messages.MESSAGE_TYPES`` (the serving config's among them), pickled; decoding goes
 through an unpickler that only builds those classes, each from its own module, so a peer can
 never make us import or call anything else.
 """
@@ -19,7 +19,7 @@ import socket
 import time
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
-from scheduler import messages
+from scheduler.wire import messages
 
 AUTHKEY_ENV = "DASC_IPC_AUTHKEY"
 _ALLOWED = {(cls.__module__, cls.__name__): cls for cls in messages.MESSAGE_TYPES}
