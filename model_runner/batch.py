@@ -114,14 +114,12 @@ class SingleQueries:
 
     seqs: list[int]
     rows: torch.Tensor  # [S] their query rows
-    # [S, C] KV rows of positions [0, C), columns [lens, C) repeating row 0, and [S] lens;
-    # both None where padding would cost too much (each sequence then attends alone)
+    # [S, C] KV rows of positions [0, C), columns [lens, C) repeating row 0; None where padding
+    # would cost too much (each sequence then attends alone)
     table: torch.Tensor | None
-    lens: torch.Tensor | None
-    # every one's rows back to back: sequence i reads read_rows[read_starts[i]:][:read_lens[i]]
-    read_rows: torch.Tensor
-    read_starts: torch.Tensor
-    read_lens: torch.Tensor
+    lens: torch.Tensor  # [S] the rows each reads
+    reads: list[torch.Tensor]  # each one's KV rows (``ForwardBatch.kv_read_index``)
+    _flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # padding a short context to the longest one costs what attention over it costs: pad only
     # while the table holds at most this many times the rows it must read
@@ -137,12 +135,18 @@ class SingleQueries:
         device = reads[0].device
         rows = torch.tensor([cu[i] for i in seqs], dtype=torch.long, device=device)
         lens = [len(r) for r in reads]
-        read_lens = torch.tensor(lens, dtype=torch.long, device=device)
-        flat = (torch.cat(reads), read_lens.cumsum(0) - read_lens, read_lens)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
         if len(seqs) * max(lens) > cls.MAX_PADDING * sum(lens):
-            return cls(seqs, rows, None, None, *flat)
+            return cls(seqs, rows, None, lens_t, reads)
         table = torch.nn.utils.rnn.pad_sequence(reads, batch_first=True, padding_value=0)
-        return cls(seqs, rows, table, read_lens, *flat)
+        return cls(seqs, rows, table, lens_t, reads)
+
+    def flat_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every one's rows back to back, where each one's start), built once a step for the
+        layers that read the pool in place: sequence i reads ``rows[starts[i]:][:lens[i]]``."""
+        if self._flat is None:
+            self._flat = (torch.cat(self.reads), self.lens.cumsum(0) - self.lens)
+        return self._flat
 
 
 @dataclass(slots=True)

@@ -59,7 +59,8 @@ def attention_decode(q: torch.Tensor, cache: torch.Tensor, index: torch.Tensor,
             or len(starts) != num_seqs or len(lens) != num_seqs or not num_seqs
             or int(lens.min()) < 1):
         return None
-    if int(index.min()) < 0 or int(index.max()) >= cache.shape[0]:
+    low, high = torch.aminmax(index)  # one pass over the step's rows
+    if int(low) < 0 or int(high) >= cache.shape[0]:
         raise IndexError(f"KV rows outside [0, {cache.shape[0]})")
     q, index, starts, lens = (t.contiguous() for t in (q, index, starts, lens))
     out = torch.empty_like(q)

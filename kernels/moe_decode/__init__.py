@@ -76,7 +76,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
                 or (simd and shared_inter % 16)):
             return None
         s_weights = s_weights.contiguous() if s_weights is not None else None
-    if int(ids.min()) < 0 or int(ids.max()) >= num_experts:
+    low, high = torch.aminmax(ids)
+    if int(low) < 0 or int(high) >= num_experts:
         raise IndexError(f"expert ids outside [0, {num_experts})")
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     out = torch.zeros_like(x)

@@ -63,6 +63,19 @@ AVX512 static void expert_rows_avx512(const float *in, int64_t m, int64_t rows, 
 }
 #endif
 
+/* acc = in @ w in the form ``fast`` says (both give the same bits). */
+static void expert_rows(const float *in, int64_t m, int64_t rows, int64_t cols, const void *w,
+                        int bf16, int fast, float *acc) {
+#ifdef HAVE_X86
+    if (fast) {
+        expert_rows_avx512(in, m, rows, cols, w, bf16, acc);
+        return;
+    }
+#endif
+    (void)fast;
+    expert_rows_portable(in, m, rows, cols, w, bf16, acc);
+}
+
 /* One expert over m of the tokens: token tok[i] with weight load_elem(wsrc, wat[i]) (1 when
  * wsrc is NULL); w13 [H, 2I], w2 [I, H].  buf: FP32 scratch of m * (2H + 3I). */
 static void expert_pass(const void *x, const int64_t *tok, const void *wsrc, const int64_t *wat,
@@ -73,24 +86,13 @@ static void expert_pass(const void *x, const int64_t *tok, const void *wsrc, con
     for (int64_t i = 0; i < m; ++i)
         for (int64_t h = 0; h < H; ++h)
             xin[i * H + h] = load_elem(x, tok[i] * H + h, b);
-#ifdef HAVE_X86
-    if (fast)
-        expert_rows_avx512(xin, m, H, G, w13, b, gu);
-    else
-#endif
-        expert_rows_portable(xin, m, H, G, w13, b, gu);
+    expert_rows(xin, m, H, G, w13, b, fast, gu);
     for (int64_t i = 0; i < m; ++i)
         for (int64_t c = 0; c < I; ++c) {
             const float g = round_to(gu[i * G + c], b), u = round_to(gu[i * G + I + c], b);
             act[i * I + c] = round_to(round_to(silu1(g), b) * u, b);
         }
-#ifdef HAVE_X86
-    if (fast)
-        expert_rows_avx512(act, m, I, H, w2, b, hs);
-    else
-#endif
-        expert_rows_portable(act, m, I, H, w2, b, hs);
-    (void)fast;
+    expert_rows(act, m, I, H, w2, b, fast, hs);
     for (int64_t i = 0; i < m; ++i) {
         const float wgt = wsrc ? load_elem(wsrc, wat[i], b) : 1.0f;
         for (int64_t h = 0; h < H; ++h) {

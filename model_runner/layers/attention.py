@@ -211,8 +211,8 @@ def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expa
     if singles is not None:
         single = None
         if expand is split_kv and not q.is_cuda:
-            single = attention_decode(q[singles.rows], cache, singles.read_rows,
-                                      singles.read_starts, singles.read_lens, scale)
+            single = attention_decode(q[singles.rows], cache, *singles.flat_rows(),
+                                      singles.lens, scale)
         if single is None and singles.table is not None:
             single = table_decode_attention(singles.table, singles.lens, q[singles.rows],
                                             cache, expand, scale)

@@ -13,6 +13,7 @@ from torch import nn
 
 from kernels.cpu_fused import silu_mul
 from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode
+from kernels.moe_decode import simd_available as moe_simd_available
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import (
     ColumnParallelLinear,
@@ -236,10 +237,11 @@ class SparseMoE(nn.Module):
         every token where that cannot run); otherwise the routed form (grouped by a host-side
         sort) or the grouped one, as ``expert_form`` chooses."""
         weights, ids = self.route(x)
+        gate = (torch.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate is not None
+                else None)  # the shared expert's weight
         if (not is_static and x.shape[0] <= MOE_DECODE_MAX_TOKENS
-                and x.dtype == torch.bfloat16 and x.device.type == "cpu"):
-            gate = (torch.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate
-                    is not None else None)
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and moe_simd_available()):  # its input-major copies only where it runs
             both = moe_decode(x, ids, weights, self.w13, self.w2,
                               (*self.shared_expert.input_major(), gate))
             if both is not None:  # a decode step's few tokens
@@ -247,9 +249,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         self._experts(x, weights, ids, out, is_static)
         shared = self.shared_expert(x)
-        if self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return self.tp.all_reduce(out + shared)
+        return self.tp.all_reduce(out + (gate * shared if gate is not None else shared))
 
     def _experts(self, x, weights, ids, out, is_static: bool) -> None:
         """The routed experts' weighted sum into ``out``, in the form ``expert_form`` picks."""

@@ -24,20 +24,8 @@ from scheduler.wire.rank_messages import (
     StepResult,
 )
 from scheduler.wire.serve_config import (
-    CheckpointAdmission,
-    CheckpointEviction,
-    CheckpointSpec,
-    DecodeFirst,
-    Device,
-    Dtype,
-    Fp32Weights,
+    CONFIG_TYPES,
     LoadPolicy,
-    Payload,
-    Placement,
-    RankConfig,
-    SchedulePolicyName,
-    SchedulingConfig,
-    Selection,
     ServeConfig,
 )
 
@@ -211,8 +199,5 @@ MESSAGE_TYPES = (
     SamplingParams, GenerateReq, AbortReq, FlushCacheReq, StatsReq, Shutdown, TokenOut,
     TokenBatch, FlushCacheDone, Counters, Stats,
     ServerInfo, RankInfo, LogitControls, Sample, SeqStep, BatchPlan, StepResult,
-    # the serving config, inside ServerInfo
-    ServeConfig, RankConfig, SchedulingConfig, CheckpointSpec, LoadPolicy, Selection, Payload,
-    Placement, SchedulePolicyName, DecodeFirst, CheckpointEviction, CheckpointAdmission, Dtype,
-    Device, Fp32Weights,
+    *CONFIG_TYPES,  # the serving config, inside ServerInfo
 )

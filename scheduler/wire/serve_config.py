@@ -210,3 +210,9 @@ def _value(kind: Any, value: Any, where: str) -> Any:
     if type(value) is not kind:
         raise ValueError(f"{where} must be {kind.__name__}, got {value!r}")
     return value
+
+
+# every class a serialised ServeConfig holds, for the IPC allow-list (scheduler.wire.messages)
+CONFIG_TYPES = (ServeConfig, RankConfig, SchedulingConfig, CheckpointSpec, LoadPolicy, Selection,
+                Payload, Placement, SchedulePolicyName, DecodeFirst, CheckpointEviction,
+                CheckpointAdmission, Dtype, Device, Fp32Weights)
