@@ -20,6 +20,7 @@ from scheduler.checkpoint_eviction import DEFAULT_CKPT_EVICTION
 from scheduler.policy import SchedulePolicy
 from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL
 from scheduler.wire.serve_config import (
+    CacheTierConfig,
     CheckpointAdmission,
     CheckpointEviction,
     CheckpointSpec,
@@ -35,6 +36,7 @@ from scheduler.wire.serve_config import (
     SchedulingConfig,
     Selection,
     ServeConfig,
+    TierEviction,
 )
 
 POLICY = SchedulePolicy()  # lpm: docs/results/serving.md, "Schedule policies"
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--master-port", type=int, default=29500, help="node 0's torchrun port")
     add_rank_flags(p)
     add_scheduling_flags(p)
+    add_tier_flags(p)
     return p
 
 
@@ -196,6 +199,38 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "dasc-wr refresh")
 
 
+def byte_size(text: str) -> int:
+    """An argparse type: bytes, with an optional binary suffix (K, M, G, T): "512M", "16G"."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = raw[-1:] if raw[-1:] in units else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512M, 16G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a byte size must be positive, got {text!r}")
+    return int(value)
+
+
+def add_tier_flags(p: argparse.ArgumentParser) -> None:
+    """``ServeConfig.tier``."""
+    g = p.add_argument_group("second cache tier (a file-backed store behind the checkpoint pool)")
+    g.add_argument("--cache-tier-dir", default=None, metavar="DIR",
+                   help="keep prefixes evicted from the checkpoint pool (their KV rows and "
+                        "checkpoint, in the server's checkpoint format) as files here, load them "
+                        "back on a hit, and find them again after a restart with the same model "
+                        "and settings (default: off)")
+    g.add_argument("--cache-tier-bytes", type=byte_size, default="16G", metavar="B",
+                   help="the tier's size on disk, every rank's files together; bytes or a "
+                        "suffixed size: 512M, 16G (default: 16G)")
+    g.add_argument("--cache-tier-eviction", choices=values(TierEviction),
+                   default=TierEviction.REUSE.value,
+                   help="which entry a full tier drops: lru (least recently used) or reuse "
+                        "(recency plus the prefill a hit there saves per byte, over the longest "
+                        "entry below it)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     # absolute from here on: /server_info and /get_model_info report it, and a client started
@@ -233,7 +268,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         checkpoints=CheckpointSpec(
             w_max=w_max, selection=Selection(a.selection), mask_seed=a.mask_seed,
             payload=Payload.INT8 if a.int8_checkpoints else Payload.FP32,
-            placement=Placement(a.placement), load_policy=LoadPolicy(a.load_policy)))
+            placement=Placement(a.placement), load_policy=LoadPolicy(a.load_policy)),
+        tier=CacheTierConfig(
+            directory=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
+            budget_bytes=a.cache_tier_bytes, eviction=TierEviction(a.cache_tier_eviction)))
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -67,6 +67,28 @@ class _SchedulerCollector:
         for policy in LoadPolicy:
             loads.add_metric([policy.value], c.loads(policy))
         yield loads
+        yield from _tier_families(s.tier)
+
+
+def _tier_families(t):
+    """The second cache tier's families (none without one)."""
+    if t is None:
+        return
+    for name, doc, value in (
+            ("dasc_tier_entries", "second-tier entries on disk", t.entries),
+            ("dasc_tier_bytes", "second-tier bytes, writes in flight included", t.bytes),
+            ("dasc_tier_budget_bytes", "--cache-tier-bytes", t.budget_bytes)):
+        yield GaugeMetricFamily(name, doc, value=value)
+    for name, doc, value in (
+            ("dasc_tier_spills", "entries written to the second tier", t.spills),
+            ("dasc_tier_spill_bytes", "bytes written to the second tier", t.spill_bytes),
+            ("dasc_tier_spill_failures", "entries that failed to write", t.spill_failed),
+            ("dasc_tier_loads", "entries read back from the second tier (hits)", t.fetches),
+            ("dasc_tier_load_bytes", "bytes read back from the second tier", t.fetch_bytes),
+            ("dasc_tier_load_seconds", "rank 0's time reading them", t.fetch_s),
+            ("dasc_tier_load_failures", "entries dropped on a failed check", t.fetch_failed),
+            ("dasc_tier_evictions", "entries dropped for the byte budget", t.evicted)):
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 class Metrics:

@@ -53,11 +53,14 @@ class Server:
 
 
 @contextmanager
-def running_server(*flags: str, timeout: float = 300.0) -> Iterator[Server]:
+def running_server(*flags: str, timeout: float = 300.0,
+                   wrap: tuple[str, ...] = ()) -> Iterator[Server]:
+    """``wrap``: a command that execs the launcher's command line given as its arguments (e.g.
+    ``unshare ... sh -c '...; exec "$@"' sh``), so its pid stays the launcher's."""
     log = tempfile.NamedTemporaryFile("w+", prefix="dasc-serve-", suffix=".log", delete=False)
     # --port 0: the launcher binds a free port itself and names it in its ready line (a port
     # chosen here would be free, and takeable, until the launcher binds it)
-    cmd = [sys.executable, "-m", "dasc_server.launch", "--port", "0", *flags]
+    cmd = [*wrap, sys.executable, "-m", "dasc_server.launch", "--port", "0", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)

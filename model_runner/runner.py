@@ -59,6 +59,7 @@ class ModelRunner:
                  head_order: list[list[int]] | None = None):
         self.rc, self.tp, self.head_order = rc, tp or TPGroup(), head_order
         self.checkpoints: CheckpointPool | None = None
+        self.tier = None  # serving only: the rank's TierStore (model_runner/tier_store.py)
         self._omitted_units: list[torch.Tensor] | None = None  # ``replays``, once per pool
         self.device = torch.device(rc.device)
         model_dir = Path(rc.model_dir)

@@ -37,6 +37,7 @@ from model_runner.processes import exit_now
 from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
+from model_runner.tier_store import TierStore, fingerprint, kv_bytes_per_token
 from scheduler.scheduler_config import active_state_slots
 from scheduler.wire import ipc
 from scheduler.wire.messages import Shutdown
@@ -107,6 +108,11 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
                     dense_slot_bytes(cfg, tp.size), plan.refresh_window,
                     measure_prefill_rate(runner, min(PROBE_TOKENS, sched.max_total_tokens))
                     if sched.step_target_ms else 0.0)
+    if config.tier.directory is not None:
+        info.tier_fingerprint = fingerprint(config, runner, tp.size)
+        info.kv_bytes_per_token = kv_bytes_per_token(runner)
+        info.tier_slot_bytes = runner.checkpoints.nbytes_per_slot()
+        runner.tier = TierStore(Path(config.tier.directory), info.tier_fingerprint, runner)
     return runner, tp, info
 
 
@@ -280,13 +286,21 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         if isinstance(msg, Shutdown):
             return
         started = time.perf_counter()
+        tier = runner.tier
+        fetch_failed, fetch_s = [], 0.0
+        if tier is not None:  # before the plan: its rows and slots may be reused by it
+            tier.spill(msg.spills)
         sampled = execute_plan(runner, msg, tables, controls)
+        if tier is not None and msg.fetches:  # after it: a store may reuse a fetch's slot
+            fetch_failed, fetch_s = tier.fetch(msg.fetches)
+        written, write_failed = tier.collect(msg.tier_sync) if tier is not None else ([], [])
         if tp.is_first:
             ipc.send(conn, StepResult(msg.step_id, sampled.token_ids,
                                       time.perf_counter() - started, sampled.logprobs,
                                       sampled.top_ids, sampled.top_logprobs,
                                       sampled.target_logprobs, sampled.target_top_ids,
-                                      sampled.target_top_logprobs))
+                                      sampled.target_top_logprobs, written, write_failed,
+                                      fetch_failed, fetch_s))
 
 
 def _next_plan(conn) -> object:

@@ -13,6 +13,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+from scheduler.cache_tier import ENTRY_OVERHEAD, CacheTier, tell
 from scheduler.policy import SchedulePolicy
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL, SchedulerConfig, prefill_budget
@@ -62,6 +63,24 @@ class SchedulerProcess:
             self.compute_s += result.compute_s
             self.num_steps += 1
 
+    def flush_tier(self) -> None:
+        """At shutdown: write every cached checkpoint the tier lacks, wait for all writes,
+        compact the index."""
+        tier = self.sched.tier
+        if tier is None:
+            return
+        plan = self.sched.spill_all()
+        if plan.spills:
+            size = sum(tier.entries[m.entry].nbytes for m in plan.spills)
+            tell(f"writing {len(plan.spills)} entries ({size / 2**20:.1f} MiB) before exit")
+        ipc.send(self.rank, plan)
+        result = ipc.recv(self.rank)
+        if isinstance(result, StepResult):
+            tier.written(result.tier_written, result.tier_write_failed)
+        tier.close()
+        s = tier.snapshot()
+        tell(f"{tier.root}: {s.entries} entries ({s.bytes / 2**20:.1f} MiB) kept")
+
     def stats(self) -> Stats:
         sched, cache = self.sched, self.sched.cache
         try:
@@ -72,7 +91,8 @@ class SchedulerProcess:
         return Stats(cache.kv_pool.size, cache.kv_pool.num_free, cache.num_cached_rows,
                      cache.ckpt_pool.size, cache.ckpt_pool.num_free, cache.num_cached_ckpts,
                      len(sched.running), len(sched.waiting), sched.stats, self.num_steps,
-                     self.step_s, self.compute_s, integrity)
+                     self.step_s, self.compute_s, integrity,
+                     sched.tier.snapshot() if sched.tier is not None else None)
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every waiting message; False when the server is stopping.  Going idle, it
@@ -138,6 +158,19 @@ def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
     )
 
 
+def open_tier(config: ServeConfig, info: RankInfo) -> CacheTier | None:
+    """The second cache tier of ``--cache-tier-dir``, restored (None: off or unwritable)."""
+    cfg = config.tier
+    if cfg.directory is None or not config.scheduling.prefix_cache:
+        return None
+    per_rank = info.tier_slot_bytes + ENTRY_OVERHEAD
+
+    def entry_bytes(num_tokens: int) -> int:
+        return info.tp_size * (per_rank + num_tokens * info.kv_bytes_per_token)
+
+    return CacheTier.open(cfg, info.tier_fingerprint, info.tp_size, entry_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scheduler",
                                 description="dasc scheduler process (started by dasc-serve).")
@@ -164,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     cfg = scheduler_config(config, info)
+    tier = open_tier(config, info)
     ipc.send(front, ServerInfo(config, info, cfg.chunked_prefill_size))
-    proc = SchedulerProcess(Scheduler(cfg), rank, front)
+    proc = SchedulerProcess(Scheduler(cfg, tier), rank, front)
     try:
         proc.run()
+        proc.flush_tier()
     except (EOFError, ConnectionError) as e:
         print(f"error: scheduler: lost a connection ({type(e).__name__})", file=sys.stderr)
         return 1

@@ -24,6 +24,11 @@ def by_value(nodes: list[Node]) -> list[Node]:
             up = up.parent
         saved[id(n)] = n.depth - (up.depth if up is not None else 0)
     most = max(saved.values())
-    by_age = sorted(nodes, key=lambda n: n.ckpt_access)
-    rank = {id(n): i / max(1, len(nodes) - 1) for i, n in enumerate(by_age)}
+    rank = recency_ranks(nodes, lambda n: n.ckpt_access)
     return sorted(nodes, key=lambda n: (rank[id(n)] + saved[id(n)] / most, n.ckpt_access))
+
+
+def recency_ranks(items: list, access) -> dict[int, float]:
+    """id(item) -> its rank by ``access(item)`` in [0, 1], 0 the least recent."""
+    by_age = sorted(items, key=access)
+    return {id(x): i / max(1, len(items) - 1) for i, x in enumerate(by_age)}

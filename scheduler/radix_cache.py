@@ -49,6 +49,9 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self._clock = itertools.count(1)
         self.num_kv_evicted = self.num_ckpt_evicted = 0
+        # called with a node whose checkpoint is about to be evicted, while its rows and slot
+        # still hold it (the second cache tier spills it: scheduler/cache_tier.py)
+        self.on_drop_ckpt = None
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, tokens: list[int], max_len: int) -> MatchResult:
@@ -197,6 +200,18 @@ class RadixCache:
             node.ckpt, node.ckpt_access = ckpt, now
         return InsertResult(node, num_existing, self.rows_to(node), taken)
 
+    def tokens_to(self, node: Node) -> list[int]:
+        parts = []
+        while node is not None:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+    def checkpoint_nodes(self) -> list[Node]:
+        """Every node holding a checkpoint, most recently hit first."""
+        nodes = [n for n in self._nodes() if n.ckpt is not None]
+        return sorted(nodes, key=lambda n: -n.ckpt_access)
+
     def rows_to(self, node: Node) -> list[int]:
         parts = []
         while node is not None:
@@ -250,6 +265,8 @@ class RadixCache:
         else:
             nodes.sort(key=lambda n: n.ckpt_access)
         for node in nodes[:num]:
+            if self.on_drop_ckpt is not None:
+                self.on_drop_ckpt(node)
             self.ckpt_pool.free([node.ckpt])
             node.ckpt = None
             self._prune(node)
@@ -257,14 +274,18 @@ class RadixCache:
         return min(num, len(nodes))
 
     def flush(self) -> None:
-        """Drop everything no running request holds."""
+        """Drop everything no running request holds (nothing is spilled)."""
+        hook, self.on_drop_ckpt = self.on_drop_ckpt, None
         self.drop_parked(len(self._parked))
         self.evict_ckpts(self.ckpt_pool.size)
+        self.on_drop_ckpt = hook
 
     def _is_evictable_leaf(self, n: Node) -> bool:
         return n.parent is not None and not n.children and n.lock_ref == 0 and n.ckpt_lock == 0
 
     def _remove_leaf(self, leaf: Node) -> int:
+        if leaf.ckpt is not None and self.on_drop_ckpt is not None:
+            self.on_drop_ckpt(leaf)
         del leaf.parent.children[leaf.key[0]]
         leaf.parent = None  # detached: evict_kv must not queue a node _prune already took
         self.kv_pool.free(leaf.value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
+from scheduler.cache_tier import CacheTier
 from scheduler.index_pool import IndexPool
 from scheduler.radix_cache import RadixCache
 from scheduler.refusals import check_request
@@ -22,12 +23,14 @@ from scheduler.wire.messages import Counters, SamplingParams, TokenOut
 
 
 class RequestTable:
-    def __init__(self, cfg: SchedulerConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: SchedulerConfig, tier: CacheTier | None = None):
+        self.cfg, self.tier = cfg, tier
         self.slots = IndexPool(cfg.max_running_requests, first=1)
         self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
                                 IndexPool(cfg.num_checkpoint_slots), cfg.checkpoint_eviction,
                                 slot_pool=self.slots if cfg.park_finished else None)
+        if tier is not None:
+            self.cache.on_drop_ckpt = self._spill
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stores_before: list[tuple[int, int]] = []  # (active slot, checkpoint) to store
@@ -65,6 +68,21 @@ class RequestTable:
                 self.finish(r, "abort")
                 return True
         return False
+
+    def _spill(self, node) -> None:
+        """The radix cache is dropping ``node``'s checkpoint: keep it in the second tier (not
+        one still waiting in ``stores_before``: its slot does not hold it yet)."""
+        cache = self.cache
+        if any(ckpt == node.ckpt for _, ckpt in self.stores_before):
+            return
+        self.tier.spill(cache.tokens_to(node), node.ckpt, cache.rows_to(node))
+
+    def spill_all(self) -> int:
+        """Queue every cached checkpoint the tier lacks, most recently hit first (at
+        shutdown, so the tier keeps what the pool holds); returns how many."""
+        cache = self.cache
+        return sum(self.tier.spill(cache.tokens_to(n), n.ckpt, cache.rows_to(n))
+                   for n in cache.checkpoint_nodes())
 
     def take_table_changes(self) -> tuple[list[str], dict[str, list[int]]]:
         """(released ids, new row tables) for the next plan; both start empty again."""
@@ -118,10 +136,11 @@ class RequestTable:
         self.released.append(r.rid)
         self._live.discard(r.rid)
 
-    def check_integrity(self) -> None:
-        """Every row and slot is free, cached in one node, or owned by one running request."""
-        rows = [x for r in self.running for x in r.own_rows]
-        ckpts = [ckpt for r in self.running for _, ckpt in r.pending_stores]
+    def check_integrity(self, fetch_rows: list[int] = (), fetch_ckpts: list[int] = ()) -> None:
+        """Every row and slot is free, cached in one node, or owned by one running request
+        (or by a fetch in flight: ``fetch_rows``, ``fetch_ckpts``)."""
+        rows = [x for r in self.running for x in r.own_rows] + list(fetch_rows)
+        ckpts = [ckpt for r in self.running for _, ckpt in r.pending_stores] + list(fetch_ckpts)
         held = [r.slot for r in self.running]
         self.cache.check_integrity(rows, ckpts, [r.node for r in self.running], [], held)
         assert len(held) == len(set(held)) and not set(held) & self.slots.free_ids()

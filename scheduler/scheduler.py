@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import replace
 
 from scheduler.admission import check_admission
+from scheduler.cache_tier import CacheTier
 from scheduler.index_pool import IndexPool
 from scheduler.radix_cache import RadixCache
 from scheduler.request import Req
@@ -27,10 +28,11 @@ from scheduler.wire.rank_messages import BatchPlan, StepResult
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig):
+    def __init__(self, cfg: SchedulerConfig, tier: CacheTier | None = None):
+        """``tier``: the second cache tier (``scheduler/cache_tier.py``), or None."""
         check_admission(cfg.checkpoint_admission)
         self.cfg = cfg
-        self.table = RequestTable(cfg)
+        self.table = RequestTable(cfg, tier)
         self.planner = StepPlanner(cfg, self.table)
 
     @property
@@ -66,25 +68,78 @@ class Scheduler:
         before it asks for the abort."""
         return self.table.abort(rid)
 
+    @property
+    def tier(self) -> CacheTier | None:
+        return self.table.tier
+
     def flush(self) -> None:
+        """Empty both tiers (the second's files are deleted)."""
         self.cache.flush()
+        if self.tier is not None:
+            self.tier.drop_all()
 
     @property
     def has_work(self) -> bool:
-        table = self.table
-        return bool(table.waiting or table.running or table.stores_before)
+        """Something to plan: requests, stores, or the second tier's spills to send and writes
+        to confirm (an idle scheduler sends a ``tier_sync`` plan for those)."""
+        table, tier = self.table, self.table.tier
+        return bool(table.waiting or table.running or table.stores_before
+                    or (tier is not None and (tier.has_moves or tier.has_pending)))
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> BatchPlan | None:
-        return self.planner.schedule()
+        plan = self.planner.schedule()
+        tier = self.tier
+        if tier is None:
+            return plan
+        if plan is None and (tier.has_moves or tier.has_pending):
+            plan = BatchPlan(self.planner.next_step_id(), tier_sync=True)
+        if plan is not None:
+            plan.spills = tier.take_moves()
+        return plan
+
+    def spill_all(self) -> BatchPlan | None:
+        """At shutdown: a plan that writes every cached checkpoint the tier lacks and waits for
+        all of the tier's writes; None without a tier."""
+        if self.tier is None:
+            return None
+        self.table.spill_all()
+        return BatchPlan(self.planner.next_step_id(), spills=self.tier.take_moves(),
+                         tier_sync=True)
 
     def process_result(self, result: StepResult) -> list[TokenOut]:
-        self.planner.observe(result.compute_s)
+        if self.planner.inflight:
+            self.planner.observe(result.compute_s)
+        if self.tier is not None:
+            self._tier_result(result)
         outs = process_result(self.table, self.planner.inflight, result)
         self.planner.inflight = []
         return outs
 
+    def _tier_result(self, result: StepResult) -> None:
+        """Confirm the tier's writes; put each fetched prefix into the radix tree with its
+        checkpoint (its request, still waiting, is admitted next step as a hit there)."""
+        tier, cache = self.tier, self.cache
+        tier.written(result.tier_written, result.tier_write_failed)
+        failed = set(result.tier_fetch_failed)
+        fetches, self.planner.fetches = self.planner.fetches, []
+        for move, entry in fetches:
+            ok = entry.id not in failed
+            tier.fetched(entry, ok, result.tier_fetch_s / len(fetches))
+            if not ok:
+                cache.kv_pool.free(move.rows)
+                cache.ckpt_pool.free([move.slot])
+                continue
+            res = cache.insert(list(entry.tokens), move.rows, move.slot)
+            cache.kv_pool.free(move.rows[: res.num_existing])  # the tree had those already
+            if res.ckpt_taken:
+                self.table.counters.checkpoints_stored += 1
+            else:
+                cache.ckpt_pool.free([move.slot])
+
     # ---- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Every row and slot is free, cached in one node, or owned by one running request."""
-        self.table.check_integrity()
+        """Every row and slot is free, cached in one node, owned by one running request or
+        by a second-tier fetch in flight."""
+        moves = [move for move, _ in self.planner.fetches]
+        self.table.check_integrity([x for m in moves for x in m.rows], [m.slot for m in moves])

@@ -50,13 +50,14 @@ from itertools import islice
 from typing import NamedTuple
 
 from scheduler.admission import MIN_BRANCH_GAIN, store_points
+from scheduler.cache_tier import TierEntry
 from scheduler.policy import LPM_MAX_RANKED, count_passes
 from scheduler.radix_cache import Node
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.step_costs import StepCosts
-from scheduler.wire.rank_messages import BatchPlan, LogitControls, Sample, SeqStep
+from scheduler.wire.rank_messages import BatchPlan, LogitControls, Sample, SeqStep, TierMove
 from scheduler.wire.serve_config import LoadPolicy
 
 
@@ -84,6 +85,7 @@ class StepPlanner:
         self._remaining: dict[str, int] = {}  # this step's _remaining_prefill, by rid
         self._followers: set[str] = set()  # this step's waiting followers, by rid
         self._share_points: dict[str, set[int]] = {}  # a leader's points its followers need
+        self.fetches: list[tuple[TierMove, TierEntry]] = []  # the plan in flight's tier fetches
 
     def schedule(self) -> BatchPlan | None:
         """The next step; None when there is nothing to run.  An admission that fails after
@@ -97,8 +99,10 @@ class StepPlanner:
 
     def _plan_step(self) -> BatchPlan | None:
         table = self.table
-        plan = BatchPlan(self._next_step_id(), stores_before=table.stores_before)
-        table.stores_before, self.inflight = [], []
+        # the stores stay listed in the table until the plan is whole: their slots do not
+        # hold the states yet, so an eviction while planning must not spill them
+        plan = BatchPlan(self.next_step_id(), stores_before=list(table.stores_before))
+        self.inflight = []
         self._remaining = {}
         self._find_followers()
         self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1)
@@ -126,8 +130,9 @@ class StepPlanner:
             self._plan_store(plan, r, r.computed + f.num_tokens, r.slot)
         for node in ckpt_locked:
             table.cache.unlock_ckpt(node)
-        if not plan.seqs and not plan.stores_before:
+        if not plan.seqs and not plan.stores_before and not plan.fetches:
             return None
+        table.stores_before = []
         plan.release, plan.tables = table.take_table_changes()
         return plan
 
@@ -151,7 +156,7 @@ class StepPlanner:
         return self.costs.defers(len(decoding), left, len(prefilling) + len(table.waiting),
                                  min(tokens, budget))
 
-    def _next_step_id(self) -> int:
+    def next_step_id(self) -> int:
         self._step_id += 1
         return self._step_id
 
@@ -173,6 +178,9 @@ class StepPlanner:
                 skipped.append(r)
                 continue
             if not is_admitted:
+                if self._plan_fetch(r, plan):
+                    skipped.append(r)  # admitted next step, as a hit on what it fetches
+                    continue
                 if not self._admit(r, plan, ckpt_locked):
                     can_admit = False
                     skipped.append(r)
@@ -242,6 +250,33 @@ class StepPlanner:
                 left = len(r.prompt) - self.table.cache.match_len(r.prompt, len(r.prompt) - 1)
             self._remaining[r.rid] = left
         return self._remaining[r.rid]
+
+    def _plan_fetch(self, r: Req, plan: BatchPlan) -> bool:
+        """Whether the second tier holds a prefix of ``r``'s prompt ``MIN_BRANCH_GAIN`` tokens
+        deeper than the radix cache does, and this step reads it back into fresh KV rows and
+        a checkpoint slot (another request fetching the same entry waits for it too)."""
+        tier, cache = self.table.tier, self.table.cache
+        if tier is None or not self._can_hit(r):
+            return False
+        max_len = len(r.prompt) - 1
+        entry = tier.deepest(r.prompt, max_len)
+        if entry is None or len(entry.tokens) < cache.match_len(r.prompt, max_len) + \
+                MIN_BRANCH_GAIN:
+            return False
+        if any(e is entry for _, e in self.fetches):
+            return True
+        tier.start_fetch(entry)  # not evicted by the spills these allocations may cause
+        rows = cache.alloc_rows(len(entry.tokens))
+        slot = cache.alloc_ckpt() if rows is not None else None
+        if slot is None:
+            if rows is not None:
+                cache.kv_pool.free(rows)
+            entry.fetching -= 1
+            return False
+        move = TierMove(entry.id, slot, rows)
+        plan.fetches.append(move)
+        self.fetches.append((move, entry))
+        return True
 
     def _admit(self, r: Req, plan: BatchPlan, ckpt_locked: list[Node]) -> bool:
         """Match the prompt, lock the hit, reserve KV rows and an active slot: the hit's

@@ -59,14 +59,17 @@ class FakeRanks:
         self.finished_slots: dict[int, list[int]] = {}  # slot -> tokens of a just-finished req
         self.num_loads = self.num_stores = self.num_refresh = 0
         self.tables = RowTables()
+        self.disk: dict[int, tuple[list[int], tuple[int, int]]] = {}  # tier entry -> contents
+        self.num_fetches = 0
 
     def kv_rows(self, q: SeqStep) -> list[int]:
         return self.tables.rows(q.rid)[: q.prefix_len + len(q.token_ids)]
 
-    def execute(self, plan: BatchPlan) -> None:
+    def execute(self, plan: BatchPlan, fetch_failed: frozenset[int] = frozenset()) -> None:
         s, cfg = self.s, self.s.cfg
         assert plan.step_id > self.last_step
         self.last_step = plan.step_id
+        self.spills(plan)
         # (0) row tables: exactly the running requests', each equal to the scheduler's rows
         self.tables.apply(plan)
         assert len(self.tables) == len(s.running)
@@ -170,7 +173,33 @@ class FakeRanks:
             assert s.cache.ckpt_at(r.prompt[:end]) is None
             self.ckpt[c] = self.active[active]
             self.num_stores += 1
+        self.fetches(plan, fetch_failed)
         self.check_tree()
+
+    def spills(self, plan: BatchPlan) -> None:
+        """Spills copy out rows and a slot that hold exactly the entry's prefix (first: the
+        step may reuse them)."""
+        if self.s.tier is None:
+            assert not plan.spills and not plan.fetches and not plan.tier_sync
+        for m in plan.spills:
+            tokens = list(self.s.tier.entries[m.entry].tokens)
+            hs = prefix_hashes(tokens)
+            assert [self.row.get(x) for x in m.rows] == hs, "a spill copies another prefix"
+            assert self.ckpt.get(m.slot) == state_of(tokens), "a spill copies another state"
+            self.disk[m.entry] = (hs, self.ckpt[m.slot])
+
+    def fetches(self, plan: BatchPlan, failed: frozenset[int]) -> None:
+        """Fetches land, last, in rows and a slot that nothing else holds."""
+        in_tree = tree_ckpts(self.s)
+        rows_in_tree = {x for n in self.s.cache._nodes() for x in n.value}
+        for m in plan.fetches:
+            hs, state = self.disk[m.entry]
+            assert len(m.rows) == len(hs) and not set(m.rows) & rows_in_tree
+            assert m.slot not in in_tree
+            if m.entry not in failed:
+                self.row.update(zip(m.rows, hs))
+                self.ckpt[m.slot] = state
+                self.num_fetches += 1
 
     def check_tree(self) -> None:
         """After a plan ran, every cached row and checkpoint holds exactly its path."""

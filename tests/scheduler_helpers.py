@@ -8,28 +8,39 @@ import random
 
 from fake_ranks import FakeRanks
 
+from scheduler.cache_tier import CacheTier
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.wire.messages import SamplingParams, TokenOut
 from scheduler.wire.rank_messages import BatchPlan, StepResult
+from scheduler.wire.serve_config import CacheTierConfig, TierEviction
 
 EOS = 0
 
 
-def make(**kw) -> Scheduler:
+def make(tier: CacheTier | None = None, **kw) -> Scheduler:
     base = dict(max_total_tokens=400, max_running_requests=4, num_checkpoint_slots=8,
                 max_context_len=4096, vocab_size=64, eos_token_id=EOS, chunked_prefill_size=32,
                 checkpoint_interval=8)
     base.update(kw)
-    return Scheduler(SchedulerConfig(**base))
+    return Scheduler(SchedulerConfig(**base), tier)
+
+
+def make_tier(directory, budget: int, eviction: str = "reuse", tp_size: int = 1) -> CacheTier:
+    """A second tier in ``directory`` whose entries cost 100 bytes plus one a token."""
+    cfg = CacheTierConfig(str(directory), budget, TierEviction(eviction))
+    return CacheTier.open(cfg, "f" * 64, tp_size, lambda n: 100 + n)
 
 
 class Loop:
     """The scheduler process's loop without I/O: schedule, execute, process_result."""
 
-    def __init__(self, s: Scheduler, token_fn, step_s=None):
-        """``step_s(plan)``: the ranks' time for a plan (``StepResult.compute_s``; 0 if None)."""
+    def __init__(self, s: Scheduler, token_fn, step_s=None, fetch_fails=None):
+        """``step_s(plan)``: the ranks' time for a plan (``StepResult.compute_s``; 0 if None);
+        ``fetch_fails(move)``: whether a second-tier fetch fails its checks (never if None).
+        Every spill is written within its step."""
         self.s, self.token_fn, self.step_s = s, token_fn, step_s
+        self.fetch_fails = fetch_fails
         self.ranks = FakeRanks(s)
         self.outs: dict[str, list[TokenOut]] = {}
         self.plans: list[BatchPlan] = []
@@ -67,11 +78,14 @@ class Loop:
         if plan is None:
             return None
         self.plans.append(plan)
-        self.ranks.execute(plan)
+        failed = [m.entry for m in plan.fetches if self.fetch_fails and self.fetch_fails(m)]
+        self.ranks.execute(plan, frozenset(failed))
         running = list(s.running)
         tokens = [self.token_fn(q) for q in plan.seqs if q.sample is not None]
         compute_s = self.step_s(plan) if self.step_s else 0.0
-        outs = s.process_result(StepResult(plan.step_id, tokens, compute_s, [0.0] * len(tokens)))
+        outs = s.process_result(StepResult(plan.step_id, tokens, compute_s, [0.0] * len(tokens),
+                                           tier_written=[m.entry for m in plan.spills],
+                                           tier_fetch_failed=failed))
         s.check_integrity()
         self.check_ckpt_counter()
         for o in outs:

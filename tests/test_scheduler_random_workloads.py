@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_helpers import EOS, Loop, assert_drained, make
+from scheduler_helpers import EOS, Loop, assert_drained, make, make_tier
 
 from scheduler.policy import SchedulePolicy
 from scheduler.wire.serve_config import LoadPolicy
@@ -50,16 +50,33 @@ CONFIGS = [
 ]
 
 
+# with a second cache tier (scheduler/cache_tier.py) behind a small pool; one fetch in five
+# fails its checks on the ranks
+TIER_CONFIGS = [
+    dict(max_total_tokens=400, max_running_requests=4, num_checkpoint_slots=3,
+         chunked_prefill_size=32, checkpoint_interval=16, park_finished=False,
+         tier=dict(budget=3000, eviction="reuse")),
+    dict(max_total_tokens=260, max_running_requests=3, num_checkpoint_slots=2,
+         chunked_prefill_size=24, checkpoint_interval=8, load_policy=LoadPolicy.WR,
+         refresh_window=6, tier=dict(budget=1500, eviction="lru")),
+]
+
+
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"cfg{i}" for i in range(len(CONFIGS))])
-def test_random_workload(cfg, seed):
-    rng = random.Random(seed * 1000 + CONFIGS.index(cfg))
-    s = make(**cfg)
+@pytest.mark.parametrize("cfg", CONFIGS + TIER_CONFIGS,
+                         ids=[f"cfg{i}" for i in range(len(CONFIGS))]
+                         + [f"tier{i}" for i in range(len(TIER_CONFIGS))])
+def test_random_workload(cfg, seed, tmp_path):
+    index = (CONFIGS + TIER_CONFIGS).index(cfg)
+    rng = random.Random(seed * 1000 + index)
+    cfg = dict(cfg)
+    tier = make_tier(tmp_path, **cfg.pop("tier")) if "tier" in cfg else None
+    s = make(tier, **cfg)
 
     def token_fn(q):
         return EOS if rng.random() < 0.08 else rng.randrange(1, 64)
 
-    loop = Loop(s, token_fn)
+    loop = Loop(s, token_fn, fetch_fails=lambda m: rng.random() < 0.2)
     limit = min(s.cfg.max_total_tokens, s.cfg.max_context_len)
     bases = [[rng.randrange(1, 64) for _ in range(rng.randint(3, 70))] for _ in range(4)]
     num_reqs, added, done = 150, 0, {}
@@ -130,6 +147,9 @@ def test_random_workload(cfg, seed):
             assert s.stats.parked_hits == 0
         hits = sum(r.hit_len > 0 for r in [*done.values(), *loop.aborted.values()])
         assert s.stats.parked_hits + stats.num_loads == hits
+        if tier is not None:
+            assert stats.num_fetches > 0 and tier.stats.fetches == stats.num_fetches
+            assert tier.stats.evicted > 0
     else:
         assert stats.num_loads == stats.num_stores == 0 and s.stats.cached_tokens == 0
     assert_drained(s)

@@ -18,7 +18,7 @@ import pytest
 from serving import KIMI, ipc_pair
 
 from dasc_server.engine_client import EngineClient
-from dasc_server.flags import build_parser, parse_args, serve_config, validate
+from dasc_server.flags import build_parser, byte_size, parse_args, serve_config, validate
 from scheduler.__main__ import SchedulerProcess
 from scheduler.scheduler import Scheduler
 from scheduler.scheduler_config import SchedulerConfig
@@ -55,7 +55,7 @@ def other_value(action: argparse.Action) -> list[str]:
         # for the built-in model)
         return [flag, [str(c) for c in action.choices if c != action.default][-1]]
     kind = action.type or str
-    value = {int: "7", float: "3.5", str: "elsewhere"}[kind]
+    value = {int: "7", float: "3.5", str: "elsewhere", byte_size: "7M"}[kind]
     assert str(action.default) != value
     return [flag, value]
 
@@ -133,7 +133,8 @@ def test_server_info_names_the_arm_and_keeps_its_json_keys(flags, arm):
         "max_context_len", "max_running_requests", "num_checkpoint_slots",
         "checkpoint_bytes_per_slot", "dense_bytes_per_slot", "w_max", "load_policy",
         "refresh_window", "prefix_cache", "park_finished", "checkpoint_format",
-        "chunked_prefill_size", "arm", "prefill_tokens_per_s"}
+        "chunked_prefill_size", "arm", "prefill_tokens_per_s", "tier_fingerprint",
+        "kv_bytes_per_token", "tier_slot_bytes", "cache_tier_dir"}
     assert body["park_finished"] is True
     ckpt = info.config.checkpoints
     assert body["checkpoint_format"] == f"{ckpt.selection.value} {ckpt.payload.value} off"

@@ -22,6 +22,7 @@ from scheduler.wire.rank_messages import (
     Sample,
     SeqStep,
     StepResult,
+    TierMove,
 )
 from scheduler.wire.serve_config import (
     CONFIG_TYPES,
@@ -149,6 +150,25 @@ class Counters:
 
 
 @dataclass(slots=True)
+class TierStats:
+    """The second cache tier (``/v1/stats``' ``tier``; None without ``--cache-tier-dir``)."""
+
+    directory: str
+    budget_bytes: int
+    entries: int = 0  # on disk, every rank's file written
+    bytes: int = 0  # theirs and the writes in flight
+    restored: int = 0  # entries found at start-up
+    spills: int = 0  # entries written
+    spill_bytes: int = 0
+    spill_failed: int = 0
+    fetches: int = 0  # entries read back into the pools (tier-2 hits)
+    fetch_bytes: int = 0
+    fetch_s: float = 0.0  # rank 0's time reading them
+    fetch_failed: int = 0  # dropped: a check failed on load
+    evicted: int = 0  # dropped for the byte budget
+
+
+@dataclass(slots=True)
 class Stats:
     """Scheduler counters and pool occupancy; ``integrity`` is the result of a fresh
     ``check_integrity`` ("ok" or the failed assertion)."""
@@ -166,6 +186,7 @@ class Stats:
     step_s: float  # scheduler wall time of all steps: plan, IPC, ranks, results out
     compute_s: float  # rank 0's share of it
     integrity: str
+    tier: TierStats | None = None
 
 
 @dataclass(slots=True)
@@ -192,12 +213,12 @@ class ServerInfo:
                 and sched.park_finished,
                 "chunked_prefill_size": self.chunked_prefill_size, "w_max": ckpt.w_max,
                 "load_policy": str(ckpt.load_policy), "checkpoint_format": ckpt.format,
-                "arm": ckpt.arm}
+                "arm": ckpt.arm, "cache_tier_dir": self.config.tier.directory}
 
 
 MESSAGE_TYPES = (
     SamplingParams, GenerateReq, AbortReq, FlushCacheReq, StatsReq, Shutdown, TokenOut,
-    TokenBatch, FlushCacheDone, Counters, Stats,
+    TokenBatch, FlushCacheDone, Counters, Stats, TierStats, TierMove,
     ServerInfo, RankInfo, LogitControls, Sample, SeqStep, BatchPlan, StepResult,
     *CONFIG_TYPES,  # the serving config, inside ServerInfo
 )

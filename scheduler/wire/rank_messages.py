@@ -22,6 +22,11 @@ class RankInfo:
     dense_bytes_per_slot: int  # max over ranks, W_max = 0
     refresh_window: int  # dasc-wr replay length W_wr (0: nothing omitted)
     prefill_tokens_per_s: float = 0.0  # measured at start-up with step_target_ms, else 0
+    # the second cache tier (--cache-tier-dir): what an entry's files must have been written
+    # by (model, weights, TP degree, plan, checkpoint format), and rank 0's bytes per entry
+    tier_fingerprint: str = ""
+    kv_bytes_per_token: int = 0
+    tier_slot_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -79,12 +84,25 @@ class SeqStep:
 
 
 @dataclass(slots=True)
+class TierMove:
+    """An entry of the second cache tier on its way out (spill) or in (fetch): the KV rows of
+    its prefix, one per token, and one checkpoint slot (``scheduler/cache_tier.py``)."""
+
+    entry: int
+    slot: int
+    rows: list[int]
+
+
+@dataclass(slots=True)
 class BatchPlan:
     """One step. Ranks execute it in this order, which is what makes slot reuse within a step
     safe: (1) ``stores_before`` active -> checkpoint (states of requests finished last step),
     (2) ``loads`` checkpoint -> active (hits), (3) ``refresh`` (dasc-wr replay into scratch
     slots, read-only KV), (4) forward ``seqs``, (5) ``stores_after`` active -> checkpoint (an
-    active slot here may be one of a sequence's ``snapshots``).
+    active slot here may be one of a sequence's ``snapshots``).  The second cache tier's
+    ``spills`` are copied out before all of them (this very step may reuse their rows and
+    slots), its ``fetches`` read in after all of them (a ``stores_before`` may write a slot an
+    eviction freed for a fetch).  ``tier_sync``: answer once every spill so far is written.
 
     Row tables: a request's KV rows travel once, when it is admitted or when the tree replaces
     some of them (``tables``: every row it may ever use), and are dropped when it ends
@@ -100,6 +118,9 @@ class BatchPlan:
     refresh_scratch: list[int] = field(default_factory=list)
     seqs: list[SeqStep] = field(default_factory=list)
     stores_after: list[tuple[int, int]] = field(default_factory=list)  # (active, ckpt)
+    spills: list[TierMove] = field(default_factory=list)
+    fetches: list[TierMove] = field(default_factory=list)
+    tier_sync: bool = False
 
 
 class RowTables:
@@ -142,3 +163,9 @@ class StepResult:
     target_logprobs: list[list[float]] = field(default_factory=list)
     target_top_ids: list[list[list[int]]] = field(default_factory=list)
     target_top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    # the second cache tier: spilled entries now on disk on every rank, or failed on one; the
+    # step's fetches that failed their checks on a rank (the others are in place)
+    tier_written: list[int] = field(default_factory=list)
+    tier_write_failed: list[int] = field(default_factory=list)
+    tier_fetch_failed: list[int] = field(default_factory=list)
+    tier_fetch_s: float = 0.0  # rank 0's time reading the step's fetches

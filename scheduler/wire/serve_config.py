@@ -72,6 +72,13 @@ class CheckpointAdmission(StrEnum):
     REUSE = "reuse"
 
 
+class TierEviction(StrEnum):
+    """``--cache-tier-eviction`` (scheduler.cache_tier)."""
+
+    LRU = "lru"
+    REUSE = "reuse"
+
+
 class Dtype(StrEnum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -159,6 +166,15 @@ class SchedulingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheTierConfig:
+    """The second cache tier behind the checkpoint pool (``scheduler/cache_tier.py``)."""
+
+    directory: str | None  # None: no second tier
+    budget_bytes: int  # every rank's entry files together
+    eviction: TierEviction
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything the scheduler and the ranks run from, as ``dasc-serve`` parsed it."""
 
@@ -166,6 +182,7 @@ class ServeConfig:
     ranks: RankConfig
     scheduling: SchedulingConfig
     checkpoints: CheckpointSpec
+    tier: CacheTierConfig
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -213,6 +230,7 @@ def _value(kind: Any, value: Any, where: str) -> Any:
 
 
 # every class a serialised ServeConfig holds, for the IPC allow-list (scheduler.wire.messages)
-CONFIG_TYPES = (ServeConfig, RankConfig, SchedulingConfig, CheckpointSpec, LoadPolicy, Selection,
-                Payload, Placement, SchedulePolicyName, DecodeFirst, CheckpointEviction,
-                CheckpointAdmission, Dtype, Device, Fp32Weights)
+CONFIG_TYPES = (ServeConfig, RankConfig, SchedulingConfig, CheckpointSpec, CacheTierConfig,
+                LoadPolicy, Selection, Payload, Placement, SchedulePolicyName, DecodeFirst,
+                CheckpointEviction, CheckpointAdmission, TierEviction, Dtype, Device,
+                Fp32Weights)
