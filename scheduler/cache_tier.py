@@ -171,6 +171,8 @@ class CacheTier:
         self.stats = TierStats(str(root), budget)
         self._next_id = 1
         self._clock = 0
+        self._bytes = 0  # of every entry, pending ones included
+        self._pending = 0  # entries not yet written by every rank
         self._log = None
         self._log_lines = 0
 
@@ -258,7 +260,7 @@ class CacheTier:
 
     @property
     def has_pending(self) -> bool:
-        return any(not e.ready for e in self.entries.values())
+        return self._pending > 0
 
     # ---- spills -------------------------------------------------------------------------------
     def spill(self, tokens: list[int], slot: int, rows: list[int]) -> bool:
@@ -293,6 +295,7 @@ class CacheTier:
                 self._remove(entry)
                 continue
             entry.ready = True
+            self._pending -= 1
             self.stats.spills += 1
             self.stats.spill_bytes += entry.nbytes
             records.append({"put": entry.id, "tokens": list(entry.tokens),
@@ -360,7 +363,7 @@ class CacheTier:
 
     # ---- books ----------------------------------------------------------------------------------
     def _used(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        return self._bytes
 
     def _tick(self) -> int:
         self._clock += 1
@@ -368,6 +371,8 @@ class CacheTier:
 
     def _add(self, entry: TierEntry) -> None:
         self.entries[entry.id] = entry
+        self._bytes += entry.nbytes
+        self._pending += not entry.ready
         self.by_tokens[entry.tokens] = entry
         self.index.insert(entry)
 
@@ -381,7 +386,9 @@ class CacheTier:
         self._append([{"del": entry.id}])
 
     def _remove(self, entry: TierEntry) -> None:
-        self.entries.pop(entry.id, None)
+        if self.entries.pop(entry.id, None) is not None:
+            self._bytes -= entry.nbytes
+            self._pending -= not entry.ready
         if self.by_tokens.get(entry.tokens) is entry:
             del self.by_tokens[entry.tokens]
         self.index.remove(entry)

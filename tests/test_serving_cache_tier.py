@@ -264,3 +264,22 @@ def test_a_tier_directory_that_cannot_be_written_is_named_once(tmp_path, monkeyp
     assert stats["tier"] is None
     assert log.count("is not writable") == 1, log
     assert answers == [expected(reference, p) for p in PROMPTS[:2]]
+
+
+def test_sigterm_to_the_launcher_writes_the_pool_into_the_tier(tmp_path):
+    """With room for everything in the pool nothing is evicted; the shutdown writes what the
+    pool holds, so the next start finds it."""
+    with running_server("--model", str(KIMI), "--cache-tier-dir", str(tmp_path)) as server:
+        for prompt in PROMPTS[:2]:
+            ask(server, prompt)
+        assert tier_stats(server)["spills"] == 0
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        log = server.log()
+    assert "before exit" in log and "kept" in log, log
+    stored = [e["tokens"] for e in index_entries(tmp_path)]
+    for prompt in PROMPTS[:2]:
+        assert prompt[:-1] in stored  # the prompt-end checkpoint
+    with restarted(tmp_path) as server:
+        _, cached = ask(server, PROMPTS[1] + MORE)
+    assert cached >= len(PROMPTS[1]) - 1
