@@ -69,20 +69,18 @@ class RequestTable:
                 return True
         return False
 
-    def _spill(self, node) -> None:
+    def _spill(self, node) -> bool:
         """The radix cache is dropping ``node``'s checkpoint: keep it in the second tier (not
         one still waiting in ``stores_before``: its slot does not hold it yet)."""
         cache = self.cache
         if any(ckpt == node.ckpt for _, ckpt in self.stores_before):
-            return
-        self.tier.spill(cache.tokens_to(node), node.ckpt, cache.rows_to(node))
+            return False
+        return self.tier.spill(cache.tokens_to(node), node.ckpt, cache.rows_to(node))
 
     def spill_all(self) -> int:
         """Queue every cached checkpoint the tier lacks, most recently hit first (at
         shutdown, so the tier keeps what the pool holds); returns how many."""
-        cache = self.cache
-        return sum(self.tier.spill(cache.tokens_to(n), n.ckpt, cache.rows_to(n))
-                   for n in cache.checkpoint_nodes())
+        return sum(self._spill(n) for n in self.cache.checkpoint_nodes())
 
     def take_table_changes(self) -> tuple[list[str], dict[str, list[int]]]:
         """(released ids, new row tables) for the next plan; both start empty again."""

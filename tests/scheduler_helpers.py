@@ -77,6 +77,11 @@ class Loop:
         s.check_integrity()
         if plan is None:
             return None
+        return self.execute(plan)
+
+    def execute(self, plan: BatchPlan) -> BatchPlan:
+        """Run ``plan`` on the fake ranks and read its result back."""
+        s = self.s
         self.plans.append(plan)
         failed = [m.entry for m in plan.fetches if self.fetch_fails and self.fetch_fails(m)]
         self.ranks.execute(plan, frozenset(failed))
