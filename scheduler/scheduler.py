@@ -103,9 +103,13 @@ class Scheduler:
         all of the tier's writes; None without a tier."""
         if self.tier is None:
             return None
-        self.table.spill_all()
-        return BatchPlan(self.planner.next_step_id(), spills=self.tier.take_moves(),
-                         tier_sync=True)
+        table = self.table
+        table.spill_all()
+        plan = BatchPlan(self.planner.next_step_id(), stores_before=table.stores_before,
+                         spills=self.tier.take_moves(), tier_sync=True)
+        table.stores_before = []
+        plan.release, plan.tables = table.take_table_changes()
+        return plan
 
     def process_result(self, result: StepResult) -> list[TokenOut]:
         if self.planner.inflight:

@@ -150,9 +150,8 @@ def test_random_workload(cfg, seed, tmp_path):
         if tier is not None:
             assert stats.num_fetches > 0 and tier.stats.fetches == stats.num_fetches
             assert tier.stats.evicted > 0
-            spills = tier.stats.spills
-            loop.execute(s.spill_all())  # as at shutdown: what the pool holds goes too
-            assert tier.stats.spills > spills and not tier.has_pending
+            loop.execute(s.spill_all())  # as at shutdown: the fake ranks check each spill
+            assert not tier.has_pending
     else:
         assert stats.num_loads == stats.num_stores == 0 and s.stats.cached_tokens == 0
     assert_drained(s)
