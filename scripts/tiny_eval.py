@@ -11,8 +11,8 @@ import time
 import tiny_models  # noqa: F401  (blocks fla before transformers models are used)
 import torch
 
-from loadgen.quality.tasks import TASKS, make_instances, score_instance
 from model_runner.byte_tokenizer import EOS_ID, PAD_ID, decode_bytes, encode_bytes
+from model_runner.quality.tasks import TASKS, make_instances, score_instance
 
 NEWLINE_ID = ord("\n")
 

@@ -12,9 +12,9 @@ import string
 
 import torch
 
-from loadgen.quality.tasks import TASKS, make_instances
-from loadgen.quality.tasks.retrieval import single_question
 from model_runner.byte_tokenizer import PAD_ID, encode_bytes
+from model_runner.quality.tasks import TASKS, make_instances
+from model_runner.quality.tasks.retrieval import single_question
 
 TRAIN_SEED_BASE = 10_000_000
 QUESTION_KEYS = re.compile(r"(?:all )?values? of ([0-9a-z -]+):$")  # S*, MK*, MQ, MV questions

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from serving import ids
 
-from loadgen.quality.arms import apply_arm, prepare_arm
 from model_runner.batch import SeqInput
 from model_runner.engine import OfflineEngine
+from model_runner.quality.arms import apply_arm, prepare_arm
 from model_runner.runner import ModelRunner, RunnerConfig
 
 MAX_TOKENS = 6  # greedy tokens a Reference computes per prompt

@@ -15,15 +15,15 @@ import pytest
 
 from client.__main__ import build_parser as client_parser
 from dasc_server.flags import build_parser as serve_parser
-from loadgen.bench.bench_cli import build_parser as bench_parser
 from loadgen.cli import build_parser as loadgen_parser
-from loadgen.quality.eval_cli import build_parser as eval_parser
-from loadgen.quality.report import build_parser as report_parser
-from loadgen.quality.study import build_parser as study_parser
-from loadgen.quality.table1b import build_parser as table1b_parser
+from model_runner.bench.bench_cli import build_parser as bench_parser
 from model_runner.compression.analysis.plan_cli import build_parser as plan_parser
 from model_runner.compression.analysis.plan_cli import main as dasc_plan
 from model_runner.generate import build_parser as generate_parser
+from model_runner.quality.eval_cli import build_parser as eval_parser
+from model_runner.quality.report import build_parser as report_parser
+from model_runner.quality.study import build_parser as study_parser
+from model_runner.quality.table1b import build_parser as table1b_parser
 from scheduler.wire.ipc import free_port
 
 ROOT = Path(__file__).parent.parent
@@ -32,7 +32,7 @@ TINY = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"
 BUILDERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "python -m client": client_parser, "dasc-loadgen": loadgen_parser,
     "dasc-bench": bench_parser, "dasc-eval": eval_parser, "dasc-eval report": report_parser,
-    "dasc-eval study": study_parser, "python -m loadgen.quality.table1b": table1b_parser,
+    "dasc-eval study": study_parser, "python -m model_runner.quality.table1b": table1b_parser,
     "dasc-plan": plan_parser, "dasc-generate": generate_parser, "dasc-serve": serve_parser,
 }
 

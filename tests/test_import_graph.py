@@ -155,13 +155,50 @@ def imports_torch(modules: tuple[str, ...]) -> bool:
     return out.stdout.strip() == "True"
 
 
+def torch_reach(root: Path, package: str) -> dict[str, list[str]]:
+    """Module of ``package`` -> a chain of project imports, lazy ones included, that ends in a
+    module importing torch or triton itself (none: the module is torch-free)."""
+    graph, modules = import_graph(root), project_modules(root)
+    direct = {m for m, path in modules.items()
+              if any(n.split(".")[0] in ("torch", "triton")
+                     for n in imported_names(path, m.rpartition(".")[0]))}
+    found = {}
+    for start in (m for m in graph if m == package or m.startswith(package + ".")):
+        seen, queue = {start: [start]}, [start]
+        while queue:
+            module = queue.pop(0)
+            if module in direct:
+                found[start] = seen[module]
+                break
+            for nxt in sorted(graph[module]):
+                if nxt not in seen:
+                    seen[nxt] = seen[module] + [nxt]
+                    queue.append(nxt)
+    return found
+
+
 def test_the_load_generator_imports_no_torch():
-    """Every module of `loadgen` outside `bench/` and `quality/` (cli, runner, stream, workload,
-    summary, phases, gateway)."""
+    """No module of ``loadgen``, its experiments included, reaches torch through any import,
+    lazy ones included; and importing the package's CLI modules loads none."""
+    assert torch_reach(ROOT, "loadgen") == {}
     modules = tuple(sorted(f"loadgen.{p.stem}" for p in (ROOT / "loadgen").glob("*.py")
                            if p.stem != "__init__"))
     assert "loadgen.gateway" in modules
     assert not imports_torch(modules)
+
+
+def test_a_path_to_torch_is_found(tmp_path):
+    """The checker itself: a lazy import two modules away counts."""
+    for package in ("loadgen", "model_runner"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "loadgen" / "cli.py").write_text("def main():\n    import loadgen.helper\n")
+    (tmp_path / "loadgen" / "helper.py").write_text("from model_runner import heavy\n")
+    (tmp_path / "loadgen" / "plain.py").write_text("import json\n")
+    (tmp_path / "model_runner" / "heavy.py").write_text("import torch.nn\n")
+    assert torch_reach(tmp_path, "loadgen") == {
+        "loadgen.cli": ["loadgen.cli", "loadgen.helper", "model_runner.heavy"],
+        "loadgen.helper": ["loadgen.helper", "model_runner.heavy"]}
 
 
 def test_byte_accounting_imports_no_torch():

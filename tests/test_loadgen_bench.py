@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from loadgen.bench.arms import Arm, SlotPlanner
-from loadgen.bench.bench_cli import main as bench
 from loadgen.bench.client_cost import main as client_cost
+from model_runner.bench.arms import Arm, SlotPlanner
+from model_runner.bench.bench_cli import main as bench
 
 
 def test_tiny_matched_budget(tmp_path):

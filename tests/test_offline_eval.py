@@ -12,16 +12,17 @@ from conftest import ROOT
 from random_checkpoints import make_model
 from runner_scenarios import make_runner
 
-from loadgen.quality import eval_cli
-from loadgen.quality.arms import apply_arm, prepare_arm
-from loadgen.quality.results import markdown_table
-from loadgen.quality.sweep import Result
-from loadgen.quality.tasks import TASKS
 from model_runner.batch import SeqInput
+from model_runner.quality import eval_cli
+from model_runner.quality.arms import apply_arm, prepare_arm
+from model_runner.quality.results import markdown_table
+from model_runner.quality.sweep import Result
+from model_runner.quality.tasks import TASKS
 
 
 def test_quick_eval_on_shipped_model():
-    proc = subprocess.run([sys.executable, "-m", "loadgen.quality.eval_cli", "--quick", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "model_runner.quality.eval_cli", "--quick",
+                           "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -39,7 +40,7 @@ def test_shipped_models_retrieve_through_full_attention(model):
     """Paper Table 1(a) on the shipped models: they solve single-needle retrieval from a cached
     prefix; without the prefix's full-attention KV retrieval fails, and without its linear
     state (recurrent and conv) S1 barely moves."""
-    cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--model",
+    cmd = [sys.executable, "-m", "model_runner.quality.eval_cli", "--model",
            str(ROOT / "model_runner" / "assets" / model), "--tasks", "s1", "--lengths", "512",
            "--n", "8", "--arms", "dense", "zero-full-kv", "zero-linear", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)

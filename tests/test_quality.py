@@ -14,13 +14,13 @@ import torch
 from conftest import ROOT
 from transformers import AutoTokenizer
 
-from loadgen.quality.arms import Arm, expand_arms
-from loadgen.quality.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
-from loadgen.quality.paired_stats import holm, paired_bootstrap
-from loadgen.quality.report import compare, paired_diffs, report, table5, targets
-from loadgen.quality.results import appender, load_results
-from loadgen.quality.sweep import InstanceScore, Result, sweep
-from loadgen.quality.tables import Runs
+from model_runner.quality.arms import Arm, expand_arms
+from model_runner.quality.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
+from model_runner.quality.paired_stats import holm, paired_bootstrap
+from model_runner.quality.report import compare, paired_diffs, report, table5, targets
+from model_runner.quality.results import appender, load_results
+from model_runner.quality.sweep import InstanceScore, Result, sweep
+from model_runner.quality.tables import Runs
 from model_runner.runner import ModelRunner, RunnerConfig
 
 KIMI = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"
@@ -118,7 +118,8 @@ def test_greedy_shortcut_equals_decoding_and_arms_do_not_leak(shipped):
 
 
 def test_every_arm_quick_cli():
-    cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--quick", "--tasks", "s1", "--arms",
+    cmd = [sys.executable, "-m", "model_runner.quality.eval_cli", "--quick", "--tasks", "s1",
+           "--arms",
            "dense", "nr", "wr", "nr-int8", "random", "zero-full-kv", "zero-linear", "zero-both",
            "--w-max", "64", "--mask-seeds", "1", "2", "--threads", "1", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -201,7 +202,7 @@ def test_report_tables_have_the_paper_shapes():
 
 
 def test_study_quick_runs_every_arm_and_the_report(tmp_path):
-    cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "study", "--quick", "--models",
+    cmd = [sys.executable, "-m", "model_runner.quality.eval_cli", "study", "--quick", "--models",
            str(KIMI), "--out-dir", str(tmp_path), "--resamples", "200", "--tasks", "s1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr

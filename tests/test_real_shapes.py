@@ -1,7 +1,8 @@
 """The runner against transformers at the real models' per-layer shapes (fp32, short prompts).
 
 The tiny models' heads are 32 wide; these are the benchmark models of
-``loadgen/bench/real_shape_models`` (Qwen3-Next-80B's GDN 16 key / 32 value heads of 128 and gated
+``model_runner/bench/real_shape_models`` (Qwen3-Next-80B's GDN 16 key / 32 value heads of 128
+and gated
 attention 16 q / 2 kv heads of 256; Kimi-Linear-48B's KDA 32 heads of 128, MLA with kv_lora_rank
 512 and rope 64, hidden 2,304, experts 1,024 wide, a dense first layer of 9,216; Qwen3.5-0.8B's
 and 35B-A3B's layers; OLMo-Hybrid-7B's 30 GDN heads of 96 / 192 and post-norm attention), cut to
@@ -24,7 +25,7 @@ STEPS = 4
 
 def _shapes_module():
     # Imported when the test runs, not at collection: the module hides fla from transformers.
-    return importlib.import_module("loadgen.bench.real_shape_models")
+    return importlib.import_module("model_runner.bench.real_shape_models")
 
 
 @pytest.mark.parametrize("name,num_experts", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.bench.refresh import cost_row, markdown
+from model_runner.bench.refresh import cost_row, markdown
 
 
 def _metrics(ttft_ms: float, hits: int, compute_s: float, loads_wr: int = 0,

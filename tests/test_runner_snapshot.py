@@ -160,11 +160,11 @@ def test_bad_snapshots_are_refused_before_any_state_changes(runner, bad, match):
 
 
 def test_the_snapshot_step_bench_times_both_forms_on_the_same_logits(capsys):
-    """``loadgen.bench.snapshot_step`` (a hit's suffix, a miss, a chunk with interior store
+    """``model_runner.bench.snapshot_step`` (a hit's suffix, a miss, a chunk with interior store
     points) reports both forms and checks they agree."""
     import json
 
-    from loadgen.bench import snapshot_step
+    from model_runner.bench import snapshot_step
 
     snapshot_step.main(["--reps", "1", "--prefix", "20", "--chunks", "2", "9"])
     snapshot_step.main(["--reps", "1", "--prefix", "0", "--chunks", "12"])

@@ -20,7 +20,7 @@ import torch
 from serving import KIMI, QWEN, running_server
 from serving_reference import NUM_TOKENS, offline_arm
 
-from loadgen.quality.tasks import make_instances
+from model_runner.quality.tasks import make_instances
 
 # (arm, model, server flags, the arm it must be told apart from)
 CASES = [("nr@128", KIMI, [], "dense"), ("wr@128", KIMI, ["--load-policy", "wr"], "nr@128"),
@@ -70,8 +70,8 @@ def test_dasc_eval_through_the_server_equals_the_offline_arm():
     import sys
 
     from client import DascClient
-    from loadgen.quality.served import answer
-    from loadgen.quality.tasks import TASKS
+    from model_runner.quality.served import answer
+    from model_runner.quality.tasks import TASKS
 
     insts = make_instances("s1", 512, 2, seed=9) + make_instances("fwe", 512, 1, seed=9)
     with running_server("--model", str(KIMI), "--wmax", "128", "--checkpoint-interval",
@@ -84,7 +84,7 @@ def test_dasc_eval_through_the_server_equals_the_offline_arm():
                                         TASKS[inst.task].max_new_tokens)
                 want = bytes(t for t in tokens if t < 256).decode(errors="replace")
                 assert hit and text == want[: want.index("\n") + 1 if "\n" in want else None]
-        cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--base-url", server.base_url,
+        cmd = [sys.executable, "-m", "model_runner.quality.eval_cli", "--base-url", server.base_url,
                "--model", str(KIMI), "--tasks", "s1", "--quick", "--json"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -110,7 +110,8 @@ def test_a_parked_hit_is_exact_under_a_compressed_format(flags):
         assert after["parked_hits"] - before["parked_hits"] == len(insts)
         assert after["loads_nr"] == before["loads_nr"]
         if not flags:
-            cmd = [sys.executable, "-m", "loadgen.quality.eval_cli", "--base-url", server.base_url,
+            cmd = [sys.executable, "-m", "model_runner.quality.eval_cli", "--base-url",
+                   server.base_url,
                    "--model", str(KIMI), "--tasks", "s1", "--quick", "--json"]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             assert out.returncode != 0 and "--no-park-finished" in out.stderr, out.stderr

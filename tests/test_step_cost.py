@@ -1,4 +1,4 @@
-"""loadgen/bench/step_cost.py: the graph path reads only the routed experts at decode batch
+"""model_runner/bench/step_cost.py: the graph path reads only the routed experts at decode batch
 sizes, and the all-experts figures are the expected ones (~94 GB Kimi-Linear, ~154 GB
 Qwen3-Next at TP 1)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.bench import step_cost as sc
+from model_runner.bench import step_cost as sc
 from model_runner.config import ModelConfig
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from random_checkpoints import make_model
 
-from loadgen.quality.table1b import observe, table1b
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.weights import load_decay_params
+from model_runner.quality.table1b import observe, table1b
 from model_runner.runner import ModelRunner, RunnerConfig
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from loadgen.quality.tasks import LENGTHS, MIN_LENGTH, TASKS, make_instances, score_instance
-from loadgen.quality.tasks.base import score_exact, score_recall
+from model_runner.quality.tasks import LENGTHS, MIN_LENGTH, TASKS, make_instances, score_instance
+from model_runner.quality.tasks.base import score_exact, score_recall
 
 ALL_LENGTHS = (MIN_LENGTH, 256, *LENGTHS)
 NUM = 6

@@ -1,6 +1,4 @@
-"""Serving experiments and benchmarks, each run as ``python -m loadgen.bench.<name>``.
-
-``dasc-bench`` (``cli``, ``matched``, ``refresh``, ``arms``, ``report``, ``plots``) runs the
-matched-budget and refresh-cost experiments on real dasc-serve arms; the other modules are
-single benchmarks (runner speed, serving latency, checkpoint bandwidth, step cost, ...) and
-``real_shape_models``, which writes random-weight models with the real models' layer shapes."""
+"""Serving experiments that drive servers over HTTP, torch-free, each run as
+``python -m loadgen.bench.<name>`` (serving latency, client cost, chat parking, structured
+output, the eviction simulation) or through ``dasc-bench`` (``report``, ``plots``).  Benchmarks
+that need torch live in ``model_runner.bench``."""

@@ -36,7 +36,7 @@ _EMULATED_BF16 = not cpu_has_native_bf16()
 #   on this class of CPU (AVX2, one thread): a [12288, 1024] weight costs 5 ms at M = 1,
 #   11-13 ms at M = 2 and 35 ms at M = 17; the packed weight 8 / 16 ms at M = 2 / 17.  Over the
 #   real-shape models' weights the packed form is 1.4-2.7x faster at M = 4, 1.0-2.2x at M = 64,
-#   but 0.77-1.2x at M = 1,024 and 0.6-1.0x at M = 1 (loadgen/bench/gemm_forms.py,
+#   but 0.77-1.2x at M = 1,024 and 0.6-1.0x at M = 1 (model_runner/bench/gemm_forms.py,
 #   docs/results/runner.md), so it takes 2 <= M <= PACK_MAX_ROWS; M = 1 keeps torch's GEMV and
 #   large prefill chunks torch's GEMM.
 # - bf16 on a CPU with AVX512-BF16 or AMX: the packed copy stays bf16, and it is the fastest

@@ -40,7 +40,8 @@ def _intermediate_index(size: int, tp: TPGroup, field: str) -> torch.Tensor:
 # The fixed-shape MoE takes the gathered form (only the routed experts' weights are read) while
 # pairs (tokens * top_k) <= GATHERED_PAIRS_PER_EXPERT * experts, else the grouped form where it
 # runs (``grouped_mm_runs``), else the all-experts form (each expert read once, but computed
-# for every token).  CPU, measured on 64 experts of [1024 x 512] top-2 (loadgen/bench/moe_forms.py,
+# for every token).  CPU, measured on 64 experts of [1024 x 512] top-2
+# (model_runner/bench/moe_forms.py,
 # docs/results/runner.md, step-cost.md): gathered is faster than all-experts at every size
 # tried, up to 512 pairs (8 per expert), by 2-18x; past it, at 640 pairs, grouped 184 / 220 ms
 # against all-experts 1,376 / 1,086 ms (fp32 / bf16).  CUDA: not measured; the all-experts
@@ -49,7 +50,8 @@ def _intermediate_index(size: int, tp: TPGroup, field: str) -> torch.Tensor:
 GATHERED_PAIRS_PER_EXPERT = {"cpu": 8.0, "cuda": 0.5}
 # Eager steps take the grouped form while pairs <= GROUPED_PAIRS_PER_EXPERT * experts, where it
 # runs on the weights as held (``emulates_bf16`` weights are upcast whole on every call), else
-# the routed form.  CPU, one thread (loadgen/bench/moe_forms.py, docs/results/step-cost.md): fp32
+# the routed form.  CPU, one thread (model_runner/bench/moe_forms.py,
+# docs/results/step-cost.md): fp32
 # grouped is 1.2-1.8x faster up to 2 pairs per expert on the Qwen-shape (8 experts), Kimi-shape
 # (16) and 64-expert models, 0.8-1.1x from 4 to 256 (the routed form's packed GEMMs), 0.85-1.3x
 # beyond (mixed: kept routed); bf16 weights 0.06-1.04x.  Experts with packed bf16 copies (a

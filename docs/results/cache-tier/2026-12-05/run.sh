@@ -4,7 +4,7 @@
 # nr@128 reuse, dense lru), An nr@128 without a tier; A8a/B8a the agent load
 set -u
 out=$1; tag=$2; port=$3; flags=$4; shift 4
-M=${MODEL:?the Qwen3.5-0.8B-shape folder: python -m loadgen.bench.real_shape_models qwen3.5-0.8b}
+M=${MODEL:?the Qwen3.5-0.8B-shape folder: python -m model_runner.bench.real_shape_models qwen3.5-0.8b}
 mkdir -p $out
 OMP_NUM_THREADS=1 setsid dasc-serve --model $M --port $port $flags > $out/$tag-server.log 2>&1 &
 pid=$!

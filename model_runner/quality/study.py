@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.quality.tasks import LENGTHS, TASKS
+from model_runner.quality.tasks import LENGTHS, TASKS
 
 ASSETS = Path(__file__).resolve().parent.parent / "model_runner" / "assets"
 MODELS = [str(ASSETS / "kimi-linear-tiny"), str(ASSETS / "qwen3-next-tiny")]
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def eval_command(args: argparse.Namespace, model: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "loadgen.quality.eval_cli", "--model", model, "--tasks",
+    return [sys.executable, "-m", "model_runner.quality.eval_cli", "--model", model, "--tasks",
             args.tasks, "--lengths", *map(str, args.lengths), "--n", str(args.n), "--batch",
             str(args.batch), "--arms", *args.arms, "--w-max", *(f"{w:g}" for w in args.w_max),
             "--mask-seeds", *map(str, args.mask_seeds), "--threads", "1", "--json", "--out",
@@ -76,7 +76,7 @@ def eval_command(args: argparse.Namespace, model: str, out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadgen.quality.report import main as report_main
+    from model_runner.quality.report import main as report_main
 
     args = parse_args(argv)
     out_dir = Path(args.out_dir)

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from loadgen.quality.sweep import Result
 from model_runner.processes import is_first_rank
+from model_runner.quality.sweep import Result
 
 
 def markdown_table(results: list[Result], tasks: list[str]) -> str:

@@ -1,7 +1,8 @@
 """Checkpoint store/load bandwidth next to a plain torch copy of the same number of bytes.
 
-    OMP_NUM_THREADS=1 python -m loadgen.bench.checkpoint_speed [--model DIR] [--batch 32]
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m loadgen.bench.checkpoint_speed \
+    OMP_NUM_THREADS=1 python -m model_runner.bench.checkpoint_speed [--model DIR] [--batch 32]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 \
+        -m model_runner.bench.checkpoint_speed \
         --placements off storage hybrid
 
 One CheckpointPool per (W_max, format) on the model's real decay weights; every call moves

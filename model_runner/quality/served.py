@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 
 from client import DascClient
-from loadgen.quality.arms import Arm
-from loadgen.quality.sweep import NEWLINE, InstanceScore, Result
-from loadgen.quality.tasks import TASKS, TaskInstance, make_instances, score_instance
+from model_runner.quality.arms import Arm
+from model_runner.quality.sweep import NEWLINE, InstanceScore, Result
+from model_runner.quality.tasks import TASKS, TaskInstance, make_instances, score_instance
 
 
 def answer(client: DascClient, encode, inst: TaskInstance) -> tuple[float, bool, str]:

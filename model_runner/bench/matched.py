@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 
-from loadgen.bench.arms import Arm, SlotPlanner, check_live_slots
 from loadgen.bench.report import (
     markdown_table,
     mean_sd,
@@ -31,6 +30,7 @@ from loadgen.bench.report import (
 from loadgen.phases import Phase, phase_dataset, plan_phases, run_phases
 from loadgen.spawn import running_server
 from loadgen.stream import make_client
+from model_runner.bench.arms import Arm, SlotPlanner, check_live_slots
 
 PAPER_CAPACITY = 2.63  # Kimi-KDA complete-checkpoint capacity ratio the paper's targets use
 PAPER_TTFT_REDUCTION, PAPER_THROUGHPUT_GAIN = 42.6, 68.4  # percent, Figure 3

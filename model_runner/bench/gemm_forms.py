@@ -2,7 +2,7 @@
 ``model_runner.layers.linear.pack_weight`` makes (what ``--cpu-packed-weights on`` runs): bf16
 for a bf16 weight on a CPU with native bf16, else fp32.
 
-    python -m loadgen.bench.gemm_forms [--shapes 12288x1024 1024x4096 ...]
+    python -m model_runner.bench.gemm_forms [--shapes 12288x1024 1024x4096 ...]
         [--rows 1 2 4 17 64 256 1024] [--repeats 5]
 
 One JSON line per (weight [out x in], rows M): the median milliseconds of each form and their

@@ -2,7 +2,7 @@
 retrieval as ``generate_until`` (exact match of the value) and as ``multiple_choice`` (the value
 among three other numbers, by loglikelihood).
 
-    python -m loadgen.bench.lm_eval_tasks [--out docs/results/lm-eval/tasks] [--docs 40]
+    python -m model_runner.quality.lm_eval_tasks [--out docs/results/lm-eval/tasks] [--docs 40]
         [--length 512]
 
 Then, against a running dasc-serve (see docs/results/lm-eval/README.md for the whole command):
@@ -19,8 +19,8 @@ import random
 import sys
 from pathlib import Path
 
-from loadgen.quality.tasks.retrieval import gen_s1
-from loadgen.quality.tasks.text import random_number
+from model_runner.quality.tasks.retrieval import gen_s1
+from model_runner.quality.tasks.text import random_number
 
 GEN_YAML = """task: dasc_needle_gen
 dataset_path: json

@@ -1,7 +1,7 @@
 """Per-step cost of a real config on one tensor-parallel rank: weight bytes read and FLOPs per
 decode step and per prefill token, eager path vs the fixed-shape (CUDA-graph) path.
 
-    python -m loadgen.bench.step_cost [--config DIR ...] [--tp 1 8] [--batch 1 8 64]
+    python -m model_runner.bench.step_cost [--config DIR ...] [--tp 1 8] [--batch 1 8 64]
         [--context 4096] [--bytes-per-param 2] [--chunk 2048]
 
 Pure arithmetic from config.json (defaults: Qwen3-Next-80B-A3B and Kimi-Linear-48B-A3B from

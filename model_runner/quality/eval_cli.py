@@ -2,18 +2,19 @@
 cached-prefix protocol.
 
 Per instance: prefill the context (the cacheable prefix), apply the arm's transformation to
-what the cache would hold (``loadgen.quality.arms``), then answer the question on top: greedy
+what the cache would hold (``model_runner.quality.arms``), then answer the question on top: greedy
 decoding to a newline for accuracy, and teacher forcing of question + gold completion for the
 mean KL of the next-token distributions from the dense arm's and the suffix's Δ NLL
-(``loadgen.quality.fidelity``).  Each context is prefilled once for all arms
-(``loadgen.quality.sweep``); results are JSON lines (``loadgen.quality.results``).  Arms
+(``model_runner.quality.fidelity``).  Each context is prefilled once for all arms
+(``model_runner.quality.sweep``); results are JSON lines (``model_runner.quality.results``).  Arms
 given as a bare kind (``nr wr nr-int8 random``) run at every ``--w-max``; random arms once per
 ``--mask-seeds``.
 ``--out FILE`` appends JSON lines and skips what the file already holds, so an interrupted run
 continues where it stopped.  Every TP rank runs the same loop and rank 0 prints.
 
-Subcommands: ``dasc-eval report`` (tables and a plot from JSON lines, ``loadgen.quality.report``)
-and ``dasc-eval study`` (the whole quality study, ``loadgen.quality.study``).
+Subcommands: ``dasc-eval report`` (tables and a plot from JSON lines,
+``model_runner.quality.report``)
+and ``dasc-eval study`` (the whole quality study, ``model_runner.quality.study``).
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from pathlib import Path
 import torch
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.quality.arms import (
+from model_runner.processes import is_first_rank, is_rank_process, relaunch
+from model_runner.quality.arms import (
     RANDOM_SEED,
     expand_arms,
 )
-from loadgen.quality.results import appender, load_results, markdown_table
-from loadgen.quality.sweep import Result, sweep
-from loadgen.quality.tasks import LENGTHS, TASKS
-from model_runner.processes import is_first_rank, is_rank_process, relaunch
+from model_runner.quality.results import appender, load_results, markdown_table
+from model_runner.quality.sweep import Result, sweep
+from model_runner.quality.tasks import LENGTHS, TASKS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
     if raw and raw[0] in ("report", "study"):
         if raw[0] == "report":
-            from loadgen.quality.report import main as sub
+            from model_runner.quality.report import main as sub
         else:
-            from loadgen.quality.study import main as sub
+            from model_runner.quality.study import main as sub
         return sub(raw[1:])
     args = parse_args(argv)
     unknown = [t for t in args.task_list if t not in TASKS]
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         return main_served(args)
     if args.tp > 1 and not is_rank_process():
-        return relaunch(args.tp, "loadgen.quality.eval_cli", raw)
+        return relaunch(args.tp, "model_runner.quality.eval_cli", raw)
     try:
         results = run(args)
     except (ValueError, OSError, KeyError) as e:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 def main_served(args: argparse.Namespace) -> int:
     import httpx
 
-    from loadgen.quality.served import print_json, run_served
+    from model_runner.quality.served import print_json, run_served
 
     try:
         results, loaded = run_served(args)

@@ -6,7 +6,7 @@ final recurrent state (state norm) and the final query (readout norm), and compu
 rho across the layer's units against the static horizon H_s.  Reported: median [IQR] over all
 (prefix, layer) pairs.  Runs on one rank (the analysis needs whole layers).
 
-    python -m loadgen.quality.table1b [--model DIR] [--prefixes 32] [--json]
+    python -m model_runner.quality.table1b [--model DIR] [--prefixes 32] [--json]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.quality.tasks import TASKS, make_instances
 from model_runner.batch import SeqInput
 from model_runner.byte_tokenizer import encode_bytes
 from model_runner.compression.analysis.measures import (
@@ -31,6 +30,7 @@ from model_runner.compression.analysis.measures import (
 )
 from model_runner.compression.horizons import static_horizons
 from model_runner.compression.weights import load_decay_params
+from model_runner.quality.tasks import TASKS, make_instances
 from model_runner.runner import ModelRunner, RunnerConfig
 
 PAIRS = ("H_e", "state_norm", "readout_norm")
@@ -77,7 +77,7 @@ def table1b(model_dir: str, count: int, seed: int) -> dict[str, dict[str, float]
 def build_parser() -> argparse.ArgumentParser:
     from model_runner.config import DEFAULT_MODEL
 
-    p = argparse.ArgumentParser(prog="python -m loadgen.quality.table1b",
+    p = argparse.ArgumentParser(prog="python -m model_runner.quality.table1b",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder with weights")

@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     args.command_line = shlex.join(["dasc-bench", *argv])
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "matched-budget":
-        from loadgen.bench import matched as experiment
+        from model_runner.bench import matched as experiment
     else:
-        from loadgen.bench import refresh as experiment
+        from model_runner.bench import refresh as experiment
     result = experiment.run(args)
     experiment.write_outputs(result, args.out)
     return 0

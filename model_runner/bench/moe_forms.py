@@ -1,7 +1,8 @@
 """The four forms of one MoE layer, timed alone: routed and grouped (eager), gathered, grouped
 and all experts (fixed-shape).
 
-    python -m loadgen.bench.moe_forms --model DIR [--dtype float32] [--tokens 1 4 8 32 64 128 256]
+    python -m model_runner.bench.moe_forms --model DIR [--dtype float32]
+        [--tokens 1 4 8 32 64 128 256]
         [--forms routed grouped gathered all] [--packed-weights on] [--cpu-fp32-weights auto]
 
 Random weights in the model's MoE shape (only config.json is read), prepared as the runner

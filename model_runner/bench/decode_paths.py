@@ -1,14 +1,15 @@
 """Eager decode step vs the fixed-shape step a CUDA graph replays, interleaved in one process;
 or (``--mla``) absorbed vs expanded MLA decode on one runner, alternating step by step.
 
-    python -m loadgen.bench.decode_paths --model DIR [--dtype float32] [--decode-batch 1 4]
+    python -m model_runner.bench.decode_paths --model DIR [--dtype float32] [--decode-batch 1 4]
         [--context 64] [--decode-steps 16] [--mla [--cuda-graph]]
 
 Two runners on the same weights (one with ``cuda_graph_max_bs``), the same sequences; their
 decode steps alternate, so load from other processes hits both alike (on a shared machine two
-separate ``loadgen.bench.runner_speed`` runs differ by up to 2x from one minute to the next).
+separate ``model_runner.bench.runner_speed`` runs differ by up to 2x from one minute to the next).
 Prints one JSON line per batch size: the median step of each path and their ratio.  On CPU the
-fixed-shape step runs eagerly (what ``loadgen.bench.runner_speed --cuda-graph`` measures).  With
+fixed-shape step runs eagerly (what ``model_runner.bench.runner_speed --cuda-graph``
+measures).  With
 ``--mla`` (Kimi-Linear) one runner (fixed-shape with ``--cuda-graph``, else eager) alternates
 ``MLAttention.absorb_decode`` between steps: "eager" is then the expanded form.
 """

@@ -1,6 +1,7 @@
 """Random-weight HF checkpoints with the per-layer shapes of the real hybrid models.
 
-    python -m loadgen.bench.real_shape_models NAME [--layers N] [--experts N] [--dtype bfloat16]
+    python -m model_runner.bench.real_shape_models NAME [--layers N] [--experts N]
+        [--dtype bfloat16]
         [--vocab-size N] [--seed 0] [--cache-dir DIR]
 
 prints the folder it wrote (or found already written).  Folders are cached under

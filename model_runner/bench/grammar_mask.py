@@ -1,7 +1,7 @@
 """Per-step cost of structured output in rank 0's sampler: ``sample_tokens`` over a batch of
 random logits with every row under a JSON-schema grammar, against the same batch without one.
 
-    OMP_NUM_THREADS=1 python -m loadgen.bench.grammar_mask [--batch 1 8 32] [--steps 64]
+    OMP_NUM_THREADS=1 python -m model_runner.bench.grammar_mask [--batch 1 8 32] [--steps 64]
         [--bpe-vocab 32000]
 
 Two tokenizers: the built-in byte tokenizer (264 ids) and a byte-level BPE trained here on the

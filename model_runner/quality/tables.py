@@ -11,9 +11,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from loadgen.quality.arms import parse_arm
-from loadgen.quality.sweep import Result
-from loadgen.quality.tasks import TASKS
+from model_runner.quality.arms import parse_arm
+from model_runner.quality.sweep import Result
+from model_runner.quality.tasks import TASKS
 
 KINDS = ("nr", "wr", "nr-int8", "random")
 LABELS = {"nr": "dasc-nr", "wr": "dasc-wr", "nr-int8": "dasc-nr INT8", "random": "random"}

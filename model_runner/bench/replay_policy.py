@@ -3,7 +3,7 @@ in one seeded shuffled order, a closed loop of C requests in flight, prompt-end 
 only, dense vs dasc-nr at one per-rank state budget.  Every (arm, policy) gets its own
 dasc-serve; the policies of one arm run back to back, so their ratios share the machine's load.
 
-    python -m loadgen.bench.replay_policy --tp 2 --dense-slots 16 --wmax 0 128 \\
+    python -m model_runner.bench.replay_policy --tp 2 --dense-slots 16 --wmax 0 128 \\
         --policies fcfs lpm --num-prompts 48 --prompt-len 256 --replays 2 --concurrency 8
 """
 
@@ -20,12 +20,12 @@ from pathlib import Path
 import httpx
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.bench.arms import Arm, SlotPlanner
 from loadgen.bench.report import markdown_table, run_metrics
 from loadgen.sender import run_window
 from loadgen.spawn import running_server
 from loadgen.stream import make_client
 from loadgen.workload import Request, random_ids
+from model_runner.bench.arms import Arm, SlotPlanner
 from model_runner.config import DEFAULT_MODEL
 from scheduler.policy import POLICIES
 
@@ -85,7 +85,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadgen.bench.replay_policy",
+    p = argparse.ArgumentParser(prog="python -m model_runner.bench.replay_policy",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model folder")

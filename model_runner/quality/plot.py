@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadgen.quality.tables import Runs, arm_name
+from model_runner.quality.tables import Runs, arm_name
 
 STYLE = {"nr": ("dasc-nr", "o-"), "wr": ("dasc-wr", "s-"), "random": ("random", "^--")}
 

@@ -8,7 +8,7 @@ smallest W_max), 5 (paired dasc - random per task family and W_max, in accuracy 
 7 (the full sweep per model), a per-W_max summary, and the study's three targets checked.
 Paired inference (Table 5 style): the unit is an instance (task, length, index) of the family;
 its difference is the dasc-nr value minus the mean over the random masks; 10,000 bootstrap
-resamples (``loadgen.quality.paired_stats``), Holm over the comparisons of one (model, metric)
+resamples (``model_runner.quality.paired_stats``), Holm over the comparisons of one (model, metric)
 table.
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.quality.paired_stats import NUM_RESAMPLES, PairedDiff, holm, paired_bootstrap
-from loadgen.quality.tables import (
+from model_runner.quality.paired_stats import NUM_RESAMPLES, PairedDiff, holm, paired_bootstrap
+from model_runner.quality.tables import (
     Runs,
     arm_name,
     fmt,
@@ -32,7 +32,7 @@ from loadgen.quality.tables import (
     table2,
     table4,
 )
-from loadgen.quality.tasks import TASKS
+from model_runner.quality.tasks import TASKS
 
 METRICS = {"accuracy": "score", "kl": "kl"}  # report metric -> per-instance field
 ALPHA = 0.05
@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadgen.quality.results import load_results
+    from model_runner.quality.results import load_results
 
     args = parse_args(argv)
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text, end="")
     if args.png:
-        from loadgen.quality.plot import plot_w_sweep
+        from model_runner.quality.plot import plot_w_sweep
 
         plot_w_sweep(runs, args.png)
         log(f"wrote {args.png}")

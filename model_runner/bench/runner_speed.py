@@ -1,15 +1,15 @@
 """Prefill throughput and decode step time of the runner (run as one rank or under torchrun).
 
-    python -m loadgen.bench.runner_speed [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
+    python -m model_runner.bench.runner_speed [--model DIR] [--prompt-len 1024] [--decode-batch 1 8]
         [--dtype float32|bfloat16] [--cuda-graph] [--mixed-chunks 64 --mixed-decodes 16]
         [--profile 20]
-    torchrun --standalone --nproc-per-node 2 -m loadgen.bench.runner_speed ...
+    torchrun --standalone --nproc-per-node 2 -m model_runner.bench.runner_speed ...
 
 Rank 0 prints one JSON line for the machine (torch's CPU capability, whether the CPU has native
 bf16 dot products), then one per measurement (median of --repeats).  ``--profile N`` adds the
 torch profiler's top N operators by self time over one more prefill (with ``--mixed-chunks``,
 over one more step of the first mixed chunk instead).  Real-shape models come from
-``python -m loadgen.bench.real_shape_models``.
+``python -m model_runner.bench.real_shape_models``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """torch.compile (inductor's CPU backend) on the chunked delta rule, against eager.
 
-    OMP_NUM_THREADS=1 python -m loadgen.bench.delta_rule_compile [--lengths 256 512 320]
+    OMP_NUM_THREADS=1 python -m model_runner.bench.delta_rule_compile [--lengths 256 512 320]
 
 GDN at the Qwen3-Next-80B layer shape (16 key / 32 value heads of 128, one sequence).  Per
 length, one line: the eager time, the compiled first call (compile included), the compiled

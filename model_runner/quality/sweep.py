@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loadgen.quality.arms import Arm, apply_arm, prefix_kv_rows, prepare_arm, touches_kv
-from loadgen.quality.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
-from loadgen.quality.tasks import TASKS, TaskInstance, make_instances, score_instance
 from model_runner.batch import SeqInput
 from model_runner.engine import decode_until
 from model_runner.processes import is_first_rank
+from model_runner.quality.arms import Arm, apply_arm, prefix_kv_rows, prepare_arm, touches_kv
+from model_runner.quality.fidelity import greedy_reproduces, mean_kl, mean_nll, scored_logprobs
+from model_runner.quality.tasks import TASKS, TaskInstance, make_instances, score_instance
 from model_runner.runner import ModelRunner
 
 NEWLINE = 10

@@ -4,7 +4,7 @@ one forward per store point, the chunk split there (what it planned before: the 
 last token, and with ``--interval N`` every N-th position).  One rank, in-process, the two forms
 alternating, so drift hits both alike.
 
-    python -m loadgen.bench.snapshot_step [--model DIR] [--dtype float32] [--prefix 256]
+    python -m model_runner.bench.snapshot_step [--model DIR] [--dtype float32] [--prefix 256]
         [--chunks 32 256] [--interval 0] [--reps 7]
 
 A chunk of ``C`` tokens follows a cached prefix of ``--prefix`` tokens (a hit's suffix; a miss
