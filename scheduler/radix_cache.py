@@ -201,11 +201,7 @@ class RadixCache:
         return InsertResult(node, num_existing, self.rows_to(node), taken)
 
     def tokens_to(self, node: Node) -> list[int]:
-        parts = []
-        while node is not None:
-            parts.append(node.key)
-            node = node.parent
-        return [t for part in reversed(parts) for t in part]
+        return _along(node, "key")
 
     def checkpoint_nodes(self) -> list[Node]:
         """Every node holding a checkpoint, most recently hit first."""
@@ -213,11 +209,7 @@ class RadixCache:
         return sorted(nodes, key=lambda n: -n.ckpt_access)
 
     def rows_to(self, node: Node) -> list[int]:
-        parts = []
-        while node is not None:
-            parts.append(node.value)
-            node = node.parent
-        return [r for part in reversed(parts) for r in part]
+        return _along(node, "value")
 
     def _split(self, child: Node, at: int) -> Node:
         """child (key k) -> parent (k[:at], no checkpoint) -> child (k[at:])."""
@@ -363,3 +355,12 @@ class RadixCache:
             assert len(held) == len(set(held)), f"a {name} is held twice"
             assert not set(held) & pool.free_ids(), f"a {name} is both free and held"
             assert len(held) + pool.num_free == pool.size, f"a {name} leaked"
+
+
+def _along(node: Node, field: str) -> list[int]:
+    """A node's ``key`` (tokens) or ``value`` (KV rows) edges from the root, joined."""
+    parts = []
+    while node is not None:
+        parts.append(getattr(node, field))
+        node = node.parent
+    return [x for part in reversed(parts) for x in part]
