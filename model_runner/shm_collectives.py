@@ -13,7 +13,8 @@ makes two per layer.  Ranks on one host can instead exchange through one shared 
 The publish/read order relies on x86's total store order (data stores become visible before the
 flag store that follows them), so this path is used on x86-64 only.  Tensors larger than a slot
 go through gloo as before.  The wait spins, yielding the core after a short while, and gives up
-with an error after ``TIMEOUT_S`` (a peer that died).  ``DASC_SHM_COLLECTIVES=0`` turns it off.
+with an error as soon as a peer it waits for has exited (each rank's pid sits beside its flag),
+or after ``TIMEOUT_S``.  ``DASC_SHM_COLLECTIVES=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ShmCollectives:
                                 count=2 * size * slot_bytes)
         self._slots = data.view(2, size, slot_bytes)
         self._calls = 0
+        self._flags[rank * FLAG_STRIDE + 1] = os.getpid()  # read by a peer's _wait
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= self.slot_bytes
@@ -86,9 +88,24 @@ class ShmCollectives:
             os.sched_yield()
             if deadline is None:
                 deadline = time.monotonic() + TIMEOUT_S
-            elif spins % 1000 == 0 and time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank}: a peer did not reach shared-memory "
-                                   f"collective {call} within {TIMEOUT_S:.0f} s")
+            elif spins % 1000 == 0:
+                for r in range(self.size):
+                    pid = flags[r * stride + 1]
+                    if flags[r * stride] < call and pid and not _alive(pid):
+                        raise RuntimeError(f"rank {self.rank}: rank {r} exited during "
+                                           f"shared-memory collective {call}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {self.rank}: a peer did not reach shared-memory "
+                                       f"collective {call} within {TIMEOUT_S:.0f} s")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (an exited one not yet reaped is a zombie, 'Z')."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def shm_collectives(rank: int, size: int, slot_bytes: int = SLOT_BYTES

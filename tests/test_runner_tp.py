@@ -85,3 +85,11 @@ def test_shared_memory_collectives_match_gloo(torchrun, nproc):
     out = torchrun(nproc, TESTS / "shm_worker.py").stdout
     assert sorted(re.findall(r"rank \d+: ok, (?:no )?shm", out)) == [
         f"rank {r}: ok, shm" for r in range(nproc)], out
+
+
+def test_a_shared_memory_collective_fails_fast_when_a_peer_exits(torchrun):
+    """A rank killed mid-step: the others' collective raises within seconds (torch elastic
+    would otherwise stop them only after its 30 s SIGTERM grace, which the ranks ignore)."""
+    out = torchrun(2, TESTS / "shm_worker.py", "--peer-exits").stdout
+    seen = re.findall(r"rank 0: peer exit seen in ([\d.]+) s", out)
+    assert len(seen) == 1 and float(seen[0]) < 10, out
