@@ -108,11 +108,13 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
                     dense_slot_bytes(cfg, tp.size), plan.refresh_window,
                     measure_prefill_rate(runner, min(PROBE_TOKENS, sched.max_total_tokens))
                     if sched.step_target_ms else 0.0)
-    if config.tier.directory is not None:
-        info.tier_fingerprint = fingerprint(config, runner, tp.size)
+    if config.tier.enabled:
+        directory = config.tier.directory
+        info.tier_fingerprint = fingerprint(config, runner, tp.size) if directory else "memory"
         info.kv_bytes_per_token = kv_bytes_per_token(runner)
         info.tier_slot_bytes = runner.checkpoints.nbytes_per_slot()
-        runner.tier = TierStore(Path(config.tier.directory), info.tier_fingerprint, runner)
+        runner.tier = TierStore(Path(directory) if directory else None, info.tier_fingerprint,
+                                runner)
     return runner, tp, info
 
 
@@ -289,6 +291,8 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         tier = runner.tier
         fetch_failed, fetch_s = [], 0.0
         if tier is not None:  # before the plan: its rows and slots may be reused by it
+            if msg.tier_free:
+                tier.free(msg.tier_free)
             tier.spill(msg.spills)
         sampled = execute_plan(runner, msg, tables, controls)
         if tier is not None and msg.fetches:  # after it: a store may reuse a fetch's slot

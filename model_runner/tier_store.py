@@ -1,5 +1,6 @@
 """One rank's side of the second cache tier (``scheduler/cache_tier.py`` keeps the index): each
-entry's file holds this rank's KV rows of the prefix and its checkpoint slot, byte for byte.
+entry's file holds this rank's KV rows of the prefix and its checkpoint slot, byte for byte
+(with ``--host-tier-bytes``, the same tensors stay in this process's memory instead).
 
 A spill copies the rows and the slot out at the start of the step (they may be reused by the
 step itself) and a writer thread writes the file: ``<id>.tmp``, fsync, renamed to
@@ -82,8 +83,12 @@ def kv_bytes_per_token(runner) -> int:
 
 
 class TierStore:
-    def __init__(self, root: Path, fingerprint: str, runner):
-        self.dir = root / f"tier-{fingerprint[:16]}" / f"rank-{runner.tp.rank}"
+    def __init__(self, root: Path | None, fingerprint: str, runner):
+        """``root`` None: entries stay in this process's memory (``--host-tier-bytes``),
+        pinned when the runner is on CUDA; no file, no thread."""
+        self.dir = (root / f"tier-{fingerprint[:16]}" / f"rank-{runner.tp.rank}"
+                    if root is not None else None)
+        self.memory: dict[int, list[torch.Tensor]] | None = {} if root is None else None
         self.fingerprint, self.runner, self.tp = fingerprint, runner, runner.tp
         self._issued: list[int] = []  # spilled entries not yet agreed on, in order
         self._done: dict[int, bool] = {}  # written (True) or failed, by the writer thread
@@ -91,7 +96,8 @@ class TierStore:
         self._lock = threading.Lock()
         self._told: set[str] = set()
         self._jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._writer, name="tier-writer", daemon=True).start()
+        if self.memory is None:
+            threading.Thread(target=self._writer, name="tier-writer", daemon=True).start()
 
     # ---- layout -------------------------------------------------------------------------------
     def _slot_tensors(self, slot: int) -> list[tuple[str, torch.Tensor]]:
@@ -116,14 +122,26 @@ class TierStore:
         return self.dir / f"{entry:016x}.entry"
 
     # ---- spills -------------------------------------------------------------------------------
+    def free(self, entries: list[int]) -> None:
+        """Drop host-memory entries the tier evicted."""
+        for entry in entries:
+            self.memory.pop(entry, None)
+
     def spill(self, moves: list[TierMove]) -> None:
-        """Copy each entry's rows and slot out now; the writer thread writes them."""
+        """Copy each entry's rows and slot out now; the writer thread writes them (a
+        host-memory tier keeps the copies)."""
+        pin = self.memory is not None and self.runner.device.type == "cuda"
         for move in moves:
             self._issued.append(move.entry)
             rows = torch.tensor(move.rows, dtype=torch.long, device=self.runner.device)
             parts = [c.index_select(0, rows) for c in self.runner.kv.caches]
             parts += [t.clone() for _, t in self._slot_tensors(move.slot)]
-            parts = [p.cpu() for p in parts]
+            parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p) if pin
+                     else p.cpu() for p in parts]
+            if self.memory is not None:
+                self.memory[move.entry] = parts
+                self._done[move.entry] = True
+                continue
             nbytes = sum(p.nbytes for p in parts)
             with self._lock:
                 full = self._queued + nbytes > MAX_QUEUED_BYTES
@@ -201,6 +219,12 @@ class TierStore:
         return [m.entry for m, f in zip(moves, failed) if f], time.perf_counter() - started
 
     def _read(self, move: TierMove) -> bool:
+        if self.memory is not None:
+            parts = self.memory.get(move.entry)
+            if parts is None:
+                return self._refuse(move, "memory", "the entry is not in host memory")
+            self._copy_in(move, parts)
+            return True
         path = self.path(move.entry)
         try:
             with open(path, "rb") as f:
@@ -223,19 +247,25 @@ class TierStore:
         if zlib.crc32(memoryview(data)[len(MAGIC) + 4 : -4]) != struct.unpack_from(
                 "<I", data, len(data) - 4)[0]:
             return self._refuse(move, "checksum", f"{path} fails its checksum")
-        rows = torch.tensor(move.rows, dtype=torch.long, device=self.runner.device)
-        offset = body
-        dests = [(c, True) for c in self.runner.kv.caches] + [(t, False) for _, t in parts]
-        for (dest, is_kv), size in zip(dests, sizes):
+        offset, sources = body, []
+        dests = [*self.runner.kv.caches, *(t for _, t in parts)]
+        for i, (dest, size) in enumerate(zip(dests, sizes)):
             raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=offset)
-            shape = (len(move.rows), *dest.shape[1:]) if is_kv else dest.shape
-            src = raw.view(dest.dtype).view(shape).to(dest.device)
-            if is_kv:
-                dest.index_copy_(0, rows, src)
-            else:
-                dest.copy_(src)
+            shape = (len(move.rows), *dest.shape[1:]) if i < len(sizes) - len(parts) else \
+                dest.shape
+            sources.append(raw.view(dest.dtype).view(shape))
             offset += size
+        self._copy_in(move, sources)
         return True
+
+    def _copy_in(self, move: TierMove, sources: list[torch.Tensor]) -> None:
+        """An entry's parts (as ``spill`` lists them) into the move's KV rows and slot."""
+        caches = self.runner.kv.caches
+        rows = torch.tensor(move.rows, dtype=torch.long, device=self.runner.device)
+        for cache, src in zip(caches, sources):
+            cache.index_copy_(0, rows, src.to(cache.device, non_blocking=True))
+        for (_, dest), src in zip(self._slot_tensors(move.slot), sources[len(caches):]):
+            dest.copy_(src, non_blocking=True)
 
     def _refuse(self, move: TierMove, kind: str, why: str) -> bool:
         self._tell(kind, f"{why}; entry {move.entry} dropped, its request prefills instead")

@@ -67,7 +67,7 @@ class SchedulerProcess:
         """At shutdown: write every cached checkpoint the tier lacks, wait for all writes,
         compact the index."""
         tier = self.sched.tier
-        if tier is None:
+        if tier is None or tier.root is None:  # a host-memory tier ends with the process
             return
         plan = self.sched.spill_all()
         if plan.spills:
@@ -159,9 +159,10 @@ def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
 
 
 def open_tier(config: ServeConfig, info: RankInfo) -> CacheTier | None:
-    """The second cache tier of ``--cache-tier-dir``, restored (None: off or unwritable)."""
+    """The second cache tier of ``--cache-tier-dir`` (restored) or ``--host-tier-bytes`` (None:
+    off, or a directory that cannot be written)."""
     cfg = config.tier
-    if cfg.directory is None or not config.scheduling.prefix_cache:
+    if not cfg.enabled or not config.scheduling.prefix_cache:
         return None
     per_rank = info.tier_slot_bytes + ENTRY_OVERHEAD
 

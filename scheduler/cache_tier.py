@@ -159,16 +159,19 @@ def _parse(line: str) -> dict | None:
 class CacheTier:
     """The scheduler's index of the tier in ``root`` (``DIR/tier-<fingerprint>``)."""
 
-    def __init__(self, root: Path, fingerprint: str, tp_size: int, budget: int,
+    def __init__(self, root: Path | None, fingerprint: str, tp_size: int, budget: int,
                  eviction: TierEviction, entry_bytes):
-        """``entry_bytes(num_tokens)``: an entry's bytes, every rank's file together."""
+        """``root`` None: the entries live in the ranks' host memory (``--host-tier-bytes``),
+        no file and no index.  ``entry_bytes(num_tokens)``: an entry's bytes, every rank's part
+        together."""
         self.root, self.fingerprint, self.tp_size = root, fingerprint, tp_size
         self.budget, self.eviction, self.entry_bytes = budget, eviction, entry_bytes
         self.entries: dict[int, TierEntry] = {}
         self.by_tokens: dict[tuple[int, ...], TierEntry] = {}
         self.index = PrefixIndex()
         self.moves: list[TierMove] = []  # the next plan's spills
-        self.stats = TierStats(str(root), budget)
+        self.freed: list[int] = []  # host-memory entries the ranks drop with the next plan
+        self.stats = TierStats(str(root) if root is not None else "host memory", budget)
         self._next_id = 1
         self._clock = 0
         self._bytes = 0  # of every entry, pending ones included
@@ -181,7 +184,10 @@ class CacheTier:
     def open(cls, cfg: CacheTierConfig, fingerprint: str, tp_size: int,
              entry_bytes) -> CacheTier | None:
         """The tier for this fingerprint under ``cfg.directory``, its entries restored; None
-        (after one line saying why) when the directory cannot be written."""
+        (after one line saying why) when the directory cannot be written.  With
+        ``cfg.host_bytes``: an empty tier in the ranks' host memory."""
+        if cfg.host_bytes is not None:
+            return cls(None, fingerprint, tp_size, cfg.host_bytes, cfg.eviction, entry_bytes)
         base = Path(cfg.directory)
         root = base / f"tier-{fingerprint[:16]}"
         try:
@@ -256,7 +262,8 @@ class CacheTier:
 
     @property
     def has_moves(self) -> bool:
-        return bool(self.moves)
+        """Spills or host-memory drops for the ranks."""
+        return bool(self.moves or self.freed)
 
     @property
     def has_pending(self) -> bool:
@@ -280,9 +287,10 @@ class CacheTier:
         self.moves.append(TierMove(entry.id, slot, list(rows)))
         return True
 
-    def take_moves(self) -> list[TierMove]:
-        moves, self.moves = self.moves, []
-        return moves
+    def take_moves(self) -> tuple[list[TierMove], list[int]]:
+        """(spills, dropped host-memory entries) for the next plan."""
+        moves, freed, self.moves, self.freed = self.moves, self.freed, [], []
+        return moves, freed
 
     def written(self, ids: list[int], failed: list[int]) -> None:
         """Spilled entries now on every rank's disk (``ids``) or failed on one."""
@@ -392,11 +400,14 @@ class CacheTier:
         if self.by_tokens.get(entry.tokens) is entry:
             del self.by_tokens[entry.tokens]
         self.index.remove(entry)
+        if self.root is None:
+            self.freed.append(entry.id)
+            return
         for r in range(self.tp_size):
             self.path(entry.id, r).unlink(missing_ok=True)
 
     def _append(self, records: list[dict]) -> None:
-        if not records:
+        if not records or self.root is None:
             return
         if self._log is None:
             self._log = open(self.root / "index.log", "a", encoding="utf-8")
@@ -409,6 +420,8 @@ class CacheTier:
 
     def _rewrite(self) -> None:
         """The index as the live entries, written aside and renamed over the old one."""
+        if self.root is None:
+            return
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -95,7 +95,7 @@ class Scheduler:
         if plan is None and (tier.has_moves or tier.has_pending):
             plan = BatchPlan(self.planner.next_step_id(), tier_sync=True)
         if plan is not None:
-            plan.spills = tier.take_moves()
+            plan.spills, plan.tier_free = tier.take_moves()
         return plan
 
     def spill_all(self) -> BatchPlan | None:
@@ -106,7 +106,8 @@ class Scheduler:
         table = self.table
         table.spill_all()
         plan = BatchPlan(self.planner.next_step_id(), stores_before=table.stores_before,
-                         spills=self.tier.take_moves(), tier_sync=True)
+                         tier_sync=True)
+        plan.spills, plan.tier_free = self.tier.take_moves()
         table.stores_before = []
         plan.release, plan.tables = table.take_table_changes()
         return plan

@@ -181,6 +181,9 @@ class FakeRanks:
         step may reuse them)."""
         if self.s.tier is None:
             assert not plan.spills and not plan.fetches and not plan.tier_sync
+        for entry in plan.tier_free:  # host memory: a later fetch of it fails the test
+            assert self.s.tier.root is None
+            del self.disk[entry]
         for m in plan.spills:
             tokens = list(self.s.tier.entries[m.entry].tokens)
             hs = prefix_hashes(tokens)

@@ -26,9 +26,12 @@ def make(tier: CacheTier | None = None, **kw) -> Scheduler:
     return Scheduler(SchedulerConfig(**base), tier)
 
 
-def make_tier(directory, budget: int, eviction: str = "reuse", tp_size: int = 1) -> CacheTier:
-    """A second tier in ``directory`` whose entries cost 100 bytes plus one a token."""
-    cfg = CacheTierConfig(str(directory), budget, TierEviction(eviction))
+def make_tier(directory, budget: int, eviction: str = "reuse", tp_size: int = 1,
+              host: bool = False) -> CacheTier:
+    """A second tier in ``directory`` (``host``: in the ranks' memory) whose entries cost 100
+    bytes plus one a token."""
+    cfg = CacheTierConfig(None if host else str(directory), budget, TierEviction(eviction),
+                          budget if host else None)
     return CacheTier.open(cfg, "f" * 64, tp_size, lambda n: 100 + n)
 
 

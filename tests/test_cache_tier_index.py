@@ -17,7 +17,7 @@ from scheduler.wire.serve_config import CacheTierConfig, TierEviction
 def spill_written(tier: CacheTier, tokens: list[int]) -> TierEntry:
     """Spill ``tokens`` and write every rank's file, as the ranks would."""
     assert tier.spill(tokens, 0, list(range(len(tokens))))
-    (move,) = tier.take_moves()
+    (move,), _ = tier.take_moves()
     for r in range(tier.tp_size):
         tier.path(move.entry, r).write_bytes(b"x")
     tier.written([move.entry], [])
@@ -45,11 +45,11 @@ def test_a_pending_entry_is_no_hit_until_every_rank_wrote_it(tmp_path):
     assert tier.spill([1, 2, 3], 0, [0, 1, 2])
     assert tier.deepest([1, 2, 3, 4], 4) is None and tier.has_pending
     assert not tier.spill([1, 2, 3], 0, [0, 1, 2])  # known: not spilled twice
-    (move,) = tier.take_moves()
+    (move,), _ = tier.take_moves()
     tier.written([move.entry], [])
     assert tier.deepest([1, 2, 3, 4], 4).id == move.entry and not tier.has_pending
     assert tier.spill([5, 6], 0, [0, 1])
-    (failed,) = tier.take_moves()
+    (failed,), _ = tier.take_moves()
     tier.written([], [failed.entry])
     assert tier.deepest([5, 6, 7], 3) is None and tier.stats.spill_failed == 1
 
@@ -108,7 +108,7 @@ def test_a_tier_of_other_settings_is_named_and_left_alone(tmp_path, capsys):
     first = make_tier(tmp_path, budget=10_000)
     spill_written(first, [1, 2, 3])
     first.close()
-    cfg = CacheTierConfig(str(tmp_path), 10_000, TierEviction.LRU)
+    cfg = CacheTierConfig(str(tmp_path), 10_000, TierEviction.LRU, None)
     other = CacheTier.open(cfg, "e" * 64, 1, lambda n: 100 + n)
     assert not other.entries and other.root != first.root
     assert (first.root / "index.log").exists() and len(list(first.root.rglob("*.entry"))) == 1
@@ -120,7 +120,7 @@ def test_a_tier_of_other_settings_is_named_and_left_alone(tmp_path, capsys):
 def test_an_unwritable_directory_turns_the_tier_off(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    cfg = CacheTierConfig(str(blocker / "tier"), 10_000, TierEviction.LRU)
+    cfg = CacheTierConfig(str(blocker / "tier"), 10_000, TierEviction.LRU, None)
     assert CacheTier.open(cfg, "f" * 64, 1, lambda n: n) is None
     assert capsys.readouterr().err.count("is not writable") == 1
 
@@ -130,7 +130,7 @@ def test_flush_forgets_every_entry_and_deletes_its_files(tmp_path):
     for i in range(3):
         spill_written(tier, [i] * 5)
     assert tier.spill([9] * 5, 0, list(range(5)))  # pending: deleted once written
-    (move,) = tier.take_moves()
+    (move,), _ = tier.take_moves()
     tier.path(move.entry, 0).write_bytes(b"x")
     tier.drop_all()
     assert tier.deepest([0] * 6, 6) is None

@@ -59,6 +59,9 @@ TIER_CONFIGS = [
     dict(max_total_tokens=260, max_running_requests=3, num_checkpoint_slots=2,
          chunked_prefill_size=24, checkpoint_interval=8, load_policy=LoadPolicy.WR,
          refresh_window=6, tier=dict(budget=1500, eviction="lru")),
+    dict(max_total_tokens=400, max_running_requests=4, num_checkpoint_slots=3,
+         chunked_prefill_size=32, checkpoint_interval=16,
+         tier=dict(budget=2000, eviction="reuse", host=True)),
 ]
 
 

@@ -287,3 +287,10 @@ def test_server_info_says_whether_finished_slots_are_parked(flags, parks):
     """``dasc-eval --base-url`` reads it: a parked hit restores no checkpoint."""
     assert ServerInfo(serve_config(parse_args(flags)), RANK, 2048).as_json()["park_finished"] \
         is parks
+
+
+def test_one_second_tier_at_a_time():
+    args = parse_args(["--cache-tier-dir", "/tmp/t", "--host-tier-bytes", "1G"])
+    with pytest.raises(ValueError, match="one second tier at a time"):
+        validate(args)
+    assert parse_args(["--host-tier-bytes", "1.5G"]).host_tier_bytes == 3 * 2**29

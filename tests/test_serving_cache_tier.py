@@ -283,3 +283,31 @@ def test_sigterm_to_the_launcher_writes_the_pool_into_the_tier(tmp_path):
     with restarted(tmp_path) as server:
         _, cached = ask(server, PROMPTS[1] + MORE)
     assert cached >= len(PROMPTS[1]) - 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_host_memory_tier_hit_gives_the_tokens_of_no_cache(reference, tp):
+    """``--host-tier-bytes``: the same entries kept in each rank's memory instead of files."""
+    with running_server("--model", str(KIMI), "--tp", str(tp), *TIER_FLAGS,
+                        "--host-tier-bytes", "64M") as server:
+        fill(server)
+        tokens, cached = ask(server, PROMPTS[0] + MORE)
+        stats = tier_stats(server)
+        assert server.stats()["integrity"] == "ok"
+    assert stats["directory"] == "host memory" and stats["fetches"] == 1
+    assert cached == len(PROMPTS[0]) - 1
+    assert tokens == expected(reference, PROMPTS[0] + MORE)
+
+
+def test_a_full_host_memory_tier_evicts_and_stays_exact(reference):
+    """Room for seven entries of ~270 kB: the four prompts fill it, their follow-ups hit it and
+    make it evict (the ranks drop those entries), and every answer stays exact."""
+    with running_server("--model", str(KIMI), *TIER_FLAGS, "--host-tier-bytes", "2M") as server:
+        for prompt in PROMPTS:
+            ask(server, prompt)
+        answers = [ask(server, p + MORE) for p in PROMPTS]
+        stats = tier_stats(server)
+        assert server.stats()["integrity"] == "ok"
+    assert stats["evicted"] > 0 and stats["bytes"] <= 2 * 2**20
+    assert stats["fetches"] >= 1 and answers[0][1] >= 256  # from the tier: the pool holds P3
+    assert [tokens for tokens, _ in answers] == [expected(reference, p + MORE) for p in PROMPTS]

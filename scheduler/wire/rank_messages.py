@@ -120,6 +120,7 @@ class BatchPlan:
     stores_after: list[tuple[int, int]] = field(default_factory=list)  # (active, ckpt)
     spills: list[TierMove] = field(default_factory=list)
     fetches: list[TierMove] = field(default_factory=list)
+    tier_free: list[int] = field(default_factory=list)  # host-memory entries to drop, first
     tier_sync: bool = False
 
 

@@ -169,9 +169,14 @@ class SchedulingConfig:
 class CacheTierConfig:
     """The second cache tier behind the checkpoint pool (``scheduler/cache_tier.py``)."""
 
-    directory: str | None  # None: no second tier
+    directory: str | None  # files here; None: no file tier
     budget_bytes: int  # every rank's entry files together
     eviction: TierEviction
+    host_bytes: int | None  # instead of files: host memory (pinned on CUDA), every rank's
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None or self.host_bytes is not None
 
 
 @dataclass(frozen=True, slots=True)
