@@ -3,6 +3,8 @@ against the CPU path.  Skipped without a GPU; ``tests/gpu/validate.sh`` runs it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from serving import KIMI, running_server
@@ -54,3 +56,30 @@ def test_cuda_server_nr_hit_matches_the_cpu_arm():
     assert body["choices"][0]["token_ids"] == tokens
     served = torch.tensor(body["choices"][0]["logprobs"]["token_logprobs"])
     torch.testing.assert_close(served, torch.tensor(logprobs), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("tier", ["files", "host memory"])
+def test_cuda_tier_hit_gives_the_tokens_of_a_pool_hit(tmp_path, tier):
+    """The second tier on CUDA (a device-to-host copy per spill; pinned host memory with
+    ``--host-tier-bytes``): a tier hit restores the bytes a pool hit restores."""
+    prompts = [[40 + (i * 7 + j) % 80 for j in range(300)] for i in range(4)]
+    follow = prompts[0] + list(b" and then?")
+    flags = ("--model", str(KIMI), "--device", "cuda")
+    with running_server(*flags, timeout=READY_S) as server:  # 64 slots: the pool keeps all
+        server.complete(prompts[0], max_tokens=4, ignore_eos=True)
+        pool = server.complete(follow, max_tokens=4, ignore_eos=True)
+    kind = (("--cache-tier-dir", str(tmp_path)) if tier == "files"
+            else ("--host-tier-bytes", "64M"))
+    with running_server(*flags, "--checkpoint-slots", "2", "--no-park-finished", *kind,
+                        timeout=READY_S) as server:
+        for prompt in prompts:
+            server.complete(prompt, max_tokens=4, ignore_eos=True)
+        for _ in range(100):  # the writes leave the step
+            if server.stats()["tier"]["entries"] >= 6:
+                break
+            time.sleep(0.1)
+        hit = server.complete(follow, max_tokens=4, ignore_eos=True)
+        assert server.stats()["tier"]["fetches"] == 1
+    cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in (pool, hit)]
+    assert cached == [len(prompts[0]) - 1] * 2
+    assert hit["choices"][0]["token_ids"] == pool["choices"][0]["token_ids"]
