@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import queue
 import struct
@@ -130,18 +131,16 @@ class TierStore:
     def spill(self, moves: list[TierMove]) -> None:
         """Copy each entry's rows and slot out now; the writer thread writes them (a
         host-memory tier keeps the copies)."""
-        pin = self.memory is not None and self.runner.device.type == "cuda"
         for move in moves:
             self._issued.append(move.entry)
             rows = torch.tensor(move.rows, dtype=torch.long, device=self.runner.device)
-            parts = [c.index_select(0, rows) for c in self.runner.kv.caches]
-            parts += [t.clone() for _, t in self._slot_tensors(move.slot)]
-            parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p) if pin
-                     else p.cpu() for p in parts]
             if self.memory is not None:
-                self.memory[move.entry] = parts
+                self.memory[move.entry] = self._keep(move, rows)
                 self._done[move.entry] = True
                 continue
+            parts = [c.index_select(0, rows) for c in self.runner.kv.caches]
+            parts = [p.cpu() for p in parts + [t.clone() for _, t in
+                                                self._slot_tensors(move.slot)]]
             nbytes = sum(p.nbytes for p in parts)
             with self._lock:
                 full = self._queued + nbytes > MAX_QUEUED_BYTES
@@ -154,6 +153,29 @@ class TierStore:
                     self._done[move.entry] = False
                 continue
             self._jobs.put((move.entry, len(move.rows), parts, nbytes))
+
+    def _keep(self, move: TierMove, rows: torch.Tensor) -> list[torch.Tensor]:
+        """A host-memory entry: its parts copied straight into one host buffer (pinned on
+        CUDA), no temporary copies."""
+        caches, slot = self.runner.kv.caches, self._slot_tensors(move.slot)
+        shapes = [((len(move.rows), *c.shape[1:]), c.dtype) for c in caches]
+        shapes += [(tuple(t.shape), t.dtype) for _, t in slot]
+        sizes = [-(-math.prod(shape) * dtype.itemsize // 64) * 64 for shape, dtype in shapes]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8,
+                           pin_memory=self.runner.device.type == "cuda")
+        parts, offset = [], 0
+        for (shape, dtype), size in zip(shapes, sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            parts.append(flat[offset : offset + nbytes].view(dtype).view(shape))
+            offset += size
+        for cache, part in zip(caches, parts):
+            if cache.device.type == "cpu":
+                torch.index_select(cache, 0, rows, out=part)
+            else:
+                part.copy_(cache.index_select(0, rows))
+        for (_, t), part in zip(slot, parts[len(caches):]):
+            part.copy_(t)
+        return parts
 
     def _writer(self) -> None:
         while True:
