@@ -1,7 +1,8 @@
 #!/bin/bash
 # usage: MODEL=DIR run.sh OUTDIR TAG PORT "dasc flags" workloads...
 # tags here: A24 no tier and 24 slots, A8 no tier, B8 tier, R8 restart on B8's tier, Cd/Cn/Cl 1 GiB tier (dense reuse,
-# nr@128 reuse, dense lru), An nr@128 without a tier; A8a/B8a the agent load
+# nr@128 reuse, dense lru), An nr@128 without a tier; A8a/B8a the agent load; B8e/H8e files
+# and host memory at a later commit
 set -u
 out=$1; tag=$2; port=$3; flags=$4; shift 4
 M=${MODEL:?the Qwen3.5-0.8B-shape folder: python -m model_runner.bench.real_shape_models qwen3.5-0.8b}
