@@ -79,6 +79,10 @@ def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def kv_bytes_per_token(runner) -> int:
     return sum(c[0].nbytes for c in runner.kv.caches)
 
@@ -109,10 +113,16 @@ class TierStore:
         parts.append(("conv", pool.conv_slots[slot]))
         return parts
 
-    def _sections(self, num_tokens: int) -> list[list]:
-        kv = [[f"kv.{i}", str(c.dtype), [num_tokens, *c.shape[1:]]]
+    def _layout(self, num_tokens: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, shape) of an entry's parts, in file order: KV rows per layer, then the
+        slot's tensors."""
+        kv = [(f"kv.{i}", c.dtype, (num_tokens, *c.shape[1:]))
               for i, c in enumerate(self.runner.kv.caches)]
-        return kv + [[name, str(t.dtype), list(t.shape)] for name, t in self._slot_tensors(0)]
+        return kv + [(name, t.dtype, tuple(t.shape)) for name, t in self._slot_tensors(0)]
+
+    def _sections(self, num_tokens: int) -> list[list]:
+        return [[name, str(dtype), list(shape)] for name, dtype, shape in
+                self._layout(num_tokens)]
 
     def _header(self, entry: int, num_tokens: int) -> bytes:
         return json.dumps({"version": VERSION, "fingerprint": self.fingerprint, "entry": entry,
@@ -135,12 +145,10 @@ class TierStore:
             self._issued.append(move.entry)
             rows = torch.tensor(move.rows, dtype=torch.long, device=self.runner.device)
             if self.memory is not None:
-                self.memory[move.entry] = self._keep(move, rows)
+                self.memory[move.entry] = self._copy_out(move, rows, pin=True)
                 self._done[move.entry] = True
                 continue
-            parts = [c.index_select(0, rows) for c in self.runner.kv.caches]
-            parts = [p.cpu() for p in parts + [t.clone() for _, t in
-                                                self._slot_tensors(move.slot)]]
+            parts = self._copy_out(move, rows, pin=False)
             nbytes = sum(p.nbytes for p in parts)
             with self._lock:
                 full = self._queued + nbytes > MAX_QUEUED_BYTES
@@ -154,19 +162,17 @@ class TierStore:
                 continue
             self._jobs.put((move.entry, len(move.rows), parts, nbytes))
 
-    def _keep(self, move: TierMove, rows: torch.Tensor) -> list[torch.Tensor]:
-        """A host-memory entry: its parts copied straight into one host buffer (pinned on
-        CUDA), no temporary copies."""
+    def _copy_out(self, move: TierMove, rows: torch.Tensor, pin: bool) -> list[torch.Tensor]:
+        """An entry's parts (its KV rows per layer, then its slot's tensors) copied straight
+        into one host buffer, pinned on CUDA if ``pin`` (the host-memory tier keeps it)."""
         caches, slot = self.runner.kv.caches, self._slot_tensors(move.slot)
-        shapes = [((len(move.rows), *c.shape[1:]), c.dtype) for c in caches]
-        shapes += [(tuple(t.shape), t.dtype) for _, t in slot]
-        sizes = [-(-math.prod(shape) * dtype.itemsize // 64) * 64 for shape, dtype in shapes]
+        layout = self._layout(len(move.rows))
+        sizes = [-(-_nbytes(dtype, shape) // 64) * 64 for _, dtype, shape in layout]
         flat = torch.empty(sum(sizes), dtype=torch.uint8,
-                           pin_memory=self.runner.device.type == "cuda")
+                           pin_memory=pin and self.runner.device.type == "cuda")
         parts, offset = [], 0
-        for (shape, dtype), size in zip(shapes, sizes):
-            nbytes = math.prod(shape) * dtype.itemsize
-            parts.append(flat[offset : offset + nbytes].view(dtype).view(shape))
+        for (_, dtype, shape), size in zip(layout, sizes):
+            parts.append(flat[offset : offset + _nbytes(dtype, shape)].view(dtype).view(shape))
             offset += size
         for cache, part in zip(caches, parts):
             if cache.device.type == "cpu":
@@ -260,22 +266,18 @@ class TierStore:
                 or struct.unpack_from("<I", data, len(MAGIC))[0] != len(want)
                 or data[start : start + len(want)] != want):
             return self._refuse(move, "header", f"{path} is not this entry's file (header)")
-        parts = self._slot_tensors(move.slot)
-        sizes = [c[0].nbytes * len(move.rows) for c in self.runner.kv.caches]
-        sizes += [t.nbytes for _, t in parts]
+        layout = self._layout(len(move.rows))
         body = start + len(want)
-        if len(data) != body + sum(sizes) + 4:
+        if len(data) != body + sum(_nbytes(dtype, shape) for _, dtype, shape in layout) + 4:
             return self._refuse(move, "size", f"{path} is truncated or too long")
         if zlib.crc32(memoryview(data)[len(MAGIC) + 4 : -4]) != struct.unpack_from(
                 "<I", data, len(data) - 4)[0]:
             return self._refuse(move, "checksum", f"{path} fails its checksum")
         offset, sources = body, []
-        dests = [*self.runner.kv.caches, *(t for _, t in parts)]
-        for i, (dest, size) in enumerate(zip(dests, sizes)):
+        for _, dtype, shape in layout:
+            size = _nbytes(dtype, shape)
             raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=offset)
-            shape = (len(move.rows), *dest.shape[1:]) if i < len(sizes) - len(parts) else \
-                dest.shape
-            sources.append(raw.view(dest.dtype).view(shape))
+            sources.append(raw.view(dtype).view(shape))
             offset += size
         self._copy_in(move, sources)
         return True

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from scheduler.checkpoint_eviction import recency_ranks
@@ -97,7 +97,7 @@ class PrefixIndex:
         node.entry = entry
 
     def remove(self, entry: TierEntry) -> None:
-        node = self._find(list(entry.tokens))
+        node = self.at(entry.tokens)
         if node is None or node.entry is not entry:
             return
         node.entry = None
@@ -105,20 +105,25 @@ class PrefixIndex:
             del node.parent.children[node.key[0]]
             node = node.parent
 
-    def deepest(self, tokens: list[int], max_len: int, usable=lambda e: True) -> TierEntry | None:
-        """The deepest usable entry whose tokens lead ``tokens`` within ``max_len``."""
-        best = None
-        for entry in self._walk(tokens, max_len):
-            if usable(entry):
-                best = entry
-        return best
+    def at(self, tokens) -> _Branch | None:
+        """The node ending exactly at ``tokens`` (None: no edge ends there)."""
+        tokens = list(tokens)
+        for node, depth in self._walk(tokens, len(tokens)):
+            if depth == len(tokens):
+                return node
+        return None
+
+    def entries_along(self, tokens: list[int], max_len: int) -> list[TierEntry]:
+        """The entries whose tokens lead ``tokens`` within ``max_len``, shallowest first."""
+        return [n.entry for n, _ in self._walk(tokens, max_len) if n.entry is not None]
 
     def below(self, entry: TierEntry) -> int:
         """Tokens of the deepest other entry that leads this one (0: none)."""
-        found = list(self._walk(list(entry.tokens), len(entry.tokens) - 1))
+        found = self.entries_along(list(entry.tokens), len(entry.tokens) - 1)
         return len(found[-1].tokens) if found else 0
 
     def _walk(self, tokens: list[int], max_len: int):
+        """(node, depth) along whole edges that ``tokens`` matches, within ``max_len``."""
         node, pos = self.root, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -127,17 +132,7 @@ class PrefixIndex:
             if child.key != tokens[pos : pos + len(child.key)]:
                 return
             node, pos = child, pos + len(child.key)
-            if node.entry is not None:
-                yield node.entry
-
-    def _find(self, tokens: list[int]) -> _Branch | None:
-        node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None or child.key != tokens[pos : pos + len(child.key)]:
-                return None
-            node, pos = child, pos + len(child.key)
-        return node
+            yield node, pos
 
 
 def _line(record: dict) -> str:
@@ -167,7 +162,6 @@ class CacheTier:
         self.root, self.fingerprint, self.tp_size = root, fingerprint, tp_size
         self.budget, self.eviction, self.entry_bytes = budget, eviction, entry_bytes
         self.entries: dict[int, TierEntry] = {}
-        self.by_tokens: dict[tuple[int, ...], TierEntry] = {}
         self.index = PrefixIndex()
         self.moves: list[TierMove] = []  # the next plan's spills
         self.freed: list[int] = []  # host-memory entries the ranks drop with the next plan
@@ -258,7 +252,8 @@ class CacheTier:
     # ---- lookups ------------------------------------------------------------------------------
     def deepest(self, tokens: list[int], max_len: int) -> TierEntry | None:
         """The deepest ready entry leading ``tokens`` within ``max_len``."""
-        return self.index.deepest(tokens, max_len, lambda e: e.ready and not e.dropped)
+        ready = [e for e in self.index.entries_along(tokens, max_len) if e.ready]
+        return ready[-1] if ready else None
 
     @property
     def has_moves(self) -> bool:
@@ -273,15 +268,14 @@ class CacheTier:
     def spill(self, tokens: list[int], slot: int, rows: list[int]) -> bool:
         """Queue an entry for ``tokens`` (KV ``rows``, checkpoint ``slot``) for the next plan;
         False when the tier has it already or it does not fit."""
-        key = tuple(tokens)
-        known = self.by_tokens.get(key)
-        if known is not None:
-            known.access = self._tick()
+        node = self.index.at(tokens)
+        if node is not None and node.entry is not None:
+            node.entry.access = self._tick()
             return False
         nbytes = self.entry_bytes(len(tokens))
         if not self._make_room(nbytes):
             return False
-        entry = TierEntry(self._next_id, key, nbytes, self._tick())
+        entry = TierEntry(self._next_id, tuple(tokens), nbytes, self._tick())
         self._next_id += 1
         self._add(entry)
         self.moves.append(TierMove(entry.id, slot, list(rows)))
@@ -381,7 +375,6 @@ class CacheTier:
         self.entries[entry.id] = entry
         self._bytes += entry.nbytes
         self._pending += not entry.ready
-        self.by_tokens[entry.tokens] = entry
         self.index.insert(entry)
 
     def drop(self, entry: TierEntry) -> None:
@@ -397,8 +390,6 @@ class CacheTier:
         if self.entries.pop(entry.id, None) is not None:
             self._bytes -= entry.nbytes
             self._pending -= not entry.ready
-        if self.by_tokens.get(entry.tokens) is entry:
-            del self.by_tokens[entry.tokens]
         self.index.remove(entry)
         if self.root is None:
             self.freed.append(entry.id)
@@ -438,7 +429,5 @@ class CacheTier:
         self._log_lines = len(records) - 1
 
     def snapshot(self) -> TierStats:
-        s = self.stats
-        s.entries = sum(e.ready for e in self.entries.values())
-        s.bytes = self._used()
-        return TierStats(**{k: getattr(s, k) for k in TierStats.__dataclass_fields__})
+        return replace(self.stats, entries=sum(e.ready for e in self.entries.values()),
+                       bytes=self._bytes)

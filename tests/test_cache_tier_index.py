@@ -30,14 +30,20 @@ def test_the_deepest_entry_a_prompt_starts_with():
                for i, t in enumerate([[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 9], [7]])]
     for e in entries:
         index.insert(e)
-    assert index.deepest([1, 2, 3, 4, 5, 6], 10) is entries[1]
-    assert index.deepest([1, 2, 3, 4, 5, 6], 4) is entries[0]  # within max_len
-    assert index.deepest([1, 2, 9, 9], 10) is entries[2]
-    assert index.deepest([1, 2], 10) is None and index.deepest([8], 10) is None
+    def deepest(tokens, max_len):
+        found = index.entries_along(tokens, max_len)
+        return found[-1] if found else None
+
+    assert deepest([1, 2, 3, 4, 5, 6], 10) is entries[1]
+    assert deepest([1, 2, 3, 4, 5, 6], 4) is entries[0]  # within max_len
+    assert deepest([1, 2, 9, 9], 10) is entries[2]
+    assert deepest([1, 2], 10) is None and deepest([8], 10) is None
     assert index.below(entries[1]) == 3 and index.below(entries[0]) == 0
+    assert index.at((1, 2, 3)).entry is entries[0] and index.at((1, 2)).entry is None
+    assert index.at((1, 2, 3, 4)) is None  # inside an edge
     index.remove(entries[0])
-    assert index.deepest([1, 2, 3, 4], 10) is None
-    assert index.deepest([1, 2, 3, 4, 5], 10) is entries[1]
+    assert deepest([1, 2, 3, 4], 10) is None
+    assert deepest([1, 2, 3, 4, 5], 10) is entries[1]
 
 
 def test_a_pending_entry_is_no_hit_until_every_rank_wrote_it(tmp_path):

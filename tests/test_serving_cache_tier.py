@@ -19,6 +19,8 @@ import pytest
 from serving import KIMI, running_server
 from serving_reference import Reference
 
+from loadgen.spawn import descendants
+
 MAX_TOKENS = 4
 # four prompts of 300 tokens, none a prefix of another: with two checkpoint slots, each
 # evicts the checkpoints of the one before it (256, 299 and the finished 303)
@@ -205,8 +207,6 @@ def test_a_kill_mid_write_then_a_restart_serves_correct_tokens(tmp_path, referen
                         "--cache-tier-dir", str(tmp_path)) as server:
         for prompt in PROMPTS:
             ask(server, prompt)
-        from loadgen.spawn import descendants
-
         for pid in [server.proc.pid, *descendants(server.proc.pid)]:
             os.kill(pid, signal.SIGKILL)
         server.proc.wait(30)
