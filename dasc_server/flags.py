@@ -15,11 +15,9 @@ from pathlib import Path
 from client.cli_help import DefaultsHelpFormatter
 from model_runner.config import DEFAULT_MODEL
 from model_runner.model_files import resolve_dtype
-from scheduler.admission import DEFAULT_CKPT_ADMISSION
-from scheduler.checkpoint_eviction import DEFAULT_CKPT_EVICTION
-from scheduler.policy import SchedulePolicy
-from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL
 from scheduler.wire.serve_config import (
+    DEFAULT_CHECKPOINT_SLOTS,
+    DEFAULT_CHUNKED_PREFILL,
     CacheTierConfig,
     CheckpointAdmission,
     CheckpointEviction,
@@ -39,7 +37,11 @@ from scheduler.wire.serve_config import (
     TierEviction,
 )
 
-POLICY = SchedulePolicy()  # lpm: docs/results/serving.md, "Schedule policies"
+# the defaults: every flag that sets a config field reads its default from the dataclass
+RANKS = RankConfig(dtype=Dtype.BFLOAT16)
+SCHED = SchedulingConfig()
+CKPT = CheckpointSpec()
+TIER = CacheTierConfig()
 
 
 def values(kind: type[StrEnum]) -> list[str]:
@@ -92,46 +94,49 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="weights and activations; auto: the checkpoint's bfloat16 where this "
                         "device computes bf16 natively (CUDA, a CPU with AVX512-BF16 or AMX), "
                         "else float32 (bfloat16 is emulated, so slower, on other CPUs)")
-    g.add_argument("--device", default=Device.CPU.value, choices=values(Device),
+    g.add_argument("--device", default=RANKS.device.value, choices=values(Device),
                    help="cuda: one GPU per rank")
     g.add_argument("--cpu-fp32-weights", choices=values(Fp32Weights),
-                   default=Fp32Weights.AUTO.value,
+                   default=RANKS.cpu_fp32_weights.value,
                    help="hold a bf16 model's GEMM weights in fp32 (2x their memory; activations, "
                         "KV and states stay bf16): each GEMM is then one fp32 GEMM rounded to "
                         "bf16 and no step upcasts weights; auto: on a CPU that only emulates bf16 "
                         "(default: auto)")
-    g.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
+    g.add_argument("--cpu-packed-weights", choices=["on", "off"],
+                   default="on" if RANKS.cpu_packed_weights else "off",
                    help="give large linear weights a oneDNN-packed copy: bf16 on a CPU with "
                         "AVX512-BF16 or AMX, for every GEMM (1.1-4x faster than torch's there), "
                         "else fp32, for GEMMs of 2-256 rows (1.2-2.5x faster on AVX2); extra "
                         "memory: the weight again in that dtype (default: on)")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="on cuda, run decode steps eagerly instead of replaying CUDA graphs")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=32,
+    g.add_argument("--cuda-graph-max-bs", type=int, default=RANKS.cuda_graph_max_bs,
                    help="largest decode batch replayed as a CUDA graph (capped at "
                         "--max-running-requests); larger steps and prefill run eagerly "
                         "(default: 32)")
-    g.add_argument("--cuda-graph-max-context", type=int, default=4096,
+    g.add_argument("--cuda-graph-max-context", type=int,
+                   default=RANKS.cuda_graph_max_context,
                    help="longest decode context replayed as a CUDA graph; graphs for every "
                         "context bucket (powers of two from 256) up to it are captured at "
                         "start-up, longer contexts decode eagerly (default: 4096)")
-    g.add_argument("--wmax", type=float, default=0.0,
+    g.add_argument("--wmax", type=float, default=CKPT.w_max,
                    help="W_max of the selection plan (0: dense checkpoints)")
-    g.add_argument("--load-policy", choices=values(LoadPolicy), default=LoadPolicy.NR.value,
+    g.add_argument("--load-policy", choices=values(LoadPolicy), default=CKPT.load_policy.value,
                    help="on a hit: zero-fill omitted units (nr) or refresh them by replaying "
                         "the last W_wr cached tokens (wr)")
-    g.add_argument("--placement", choices=values(Placement), default=Placement.OFF.value,
+    g.add_argument("--placement", choices=values(Placement), default=CKPT.placement.value,
                    help="TP-balanced placement of the stored units")
     g.add_argument("--int8-checkpoints", action="store_true", help="INT8 checkpoint payload")
-    g.add_argument("--selection", choices=values(Selection), default=Selection.DASC.value,
+    g.add_argument("--selection", choices=values(Selection), default=CKPT.selection.value,
                    help="decay-aware selection, or the count-matched random control")
-    g.add_argument("--mask-seed", type=int, default=1234, help="seed of --selection random")
+    g.add_argument("--mask-seed", type=int, default=CKPT.mask_seed,
+                   help="seed of --selection random")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--state-budget-bytes", type=int, default=None,
                       help="checkpoint memory per rank; slots = floor(B / worst-rank bytes per "
                            "slot) - 1 (paper eq. 8) (default: --checkpoint-slots)")
     size.add_argument("--checkpoint-slots", type=int, default=None,
-                      help="number of checkpoint slots (default: 64)")
+                      help=f"number of checkpoint slots (default: {DEFAULT_CHECKPOINT_SLOTS})")
     g.add_argument("--target-slots", type=int, default=None, metavar="N",
                    help="with --state-budget-bytes: choose W_max as the smallest whose "
                         "worst-rank slot fits N slots in that budget (dasc-plan --target-slots; "
@@ -141,9 +146,9 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
 def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
     """``ServeConfig.scheduling``."""
     g = p.add_argument_group("scheduling and prefix cache")
-    g.add_argument("--max-total-tokens", type=int, default=65536,
+    g.add_argument("--max-total-tokens", type=int, default=SCHED.max_total_tokens,
                    help="KV pool size in tokens (page size 1)")
-    g.add_argument("--max-running-requests", type=int, default=16,
+    g.add_argument("--max-running-requests", type=int, default=SCHED.max_running_requests,
                    help="requests decoded together (active state slots)")
     g.add_argument("--chunked-prefill-size", type=int, default=None,
                    help=f"new tokens per step, decodes included (default: "
@@ -152,37 +157,37 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="derive --chunked-prefill-size from the prefill rate the ranks measure "
                         "at start-up: the tokens a step prefills in this time (64 to 8192), so "
                         "decodes never wait behind a whole long prompt (default: off)")
-    g.add_argument("--checkpoint-interval", type=int, default=256,
+    g.add_argument("--checkpoint-interval", type=int, default=SCHED.checkpoint_interval,
                    help="store a checkpoint every N prompt tokens (0: at the prompt end only)")
     g.add_argument("--schedule-policy", choices=values(SchedulePolicyName),
-                   default=POLICY.name.value,
+                   default=SCHED.schedule_policy.value,
                    help="which prefill a step takes first: fcfs (arrival order) or lpm (shortest "
                         "remaining prefill after the cached prefix first, so hits do not wait "
                         "behind misses)")
-    g.add_argument("--schedule-max-passes", type=int, default=POLICY.schedule_max_passes,
+    g.add_argument("--schedule-max-passes", type=int, default=SCHED.schedule_max_passes,
                    help="lpm's fairness bound: a request overtaken by this many later arrivals "
                         "goes first")
-    g.add_argument("--prefill-mix-ratio", type=float, default=POLICY.prefill_mix_ratio,
+    g.add_argument("--prefill-mix-ratio", type=float, default=SCHED.prefill_mix_ratio,
                    help="lpm: a step holding prefill chunks defers a chunk more than this many "
                         "times longer than its longest one to the next step (0: never defer)")
-    g.add_argument("--decode-interleave", type=int, default=POLICY.decode_interleave, metavar="N",
+    g.add_argument("--decode-interleave", type=int, default=SCHED.decode_interleave, metavar="N",
                    help="while requests decode, a step carries prefill only after N "
                         "decode-only steps, so a decode waits behind one prefill step in N + 1 "
                         "at most, and a prompt waits N decode steps at most (0: every step may "
                         "carry prefill)")
     g.add_argument("--decode-first", choices=values(DecodeFirst),
-                   default=POLICY.decode_first.value,
+                   default=SCHED.decode_first.value,
                    help="cost: while requests decode, a step defers prefill when the running "
                         "decodes, finished first, would delay the waiting prompts less than the "
                         "prefill would delay the decodes, by the ranks' measured step times; a "
                         "prompt waits less than its own prefill takes (off: never defer)")
     g.add_argument("--checkpoint-eviction", choices=values(CheckpointEviction),
-                   default=DEFAULT_CKPT_EVICTION.value,
+                   default=SCHED.checkpoint_eviction.value,
                    help="which checkpoint a full pool drops: lru (least recently hit) or reuse "
                         "(recency plus the prefill a hit there saves over its nearest cached "
                         "ancestor)")
     g.add_argument("--checkpoint-admission", choices=values(CheckpointAdmission),
-                   default=DEFAULT_CKPT_ADMISSION.value,
+                   default=SCHED.checkpoint_admission.value,
                    help="where a prefill stores checkpoints: branch (every "
                         "--checkpoint-interval tokens, the prompt end and the point where the "
                         "prompt branches off a cached one, so a shared prefix of any length is "
@@ -221,15 +226,16 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
                         "checkpoint, in the server's checkpoint format) as files here, load them "
                         "back on a hit, and find them again after a restart with the same model "
                         "and settings (default: off)")
-    g.add_argument("--cache-tier-bytes", type=byte_size, default="16G", metavar="B",
+    g.add_argument("--cache-tier-bytes", type=byte_size,
+                   default=f"{TIER.cache_tier_bytes >> 30}G", metavar="B",
                    help="the tier's size on disk, every rank's files together; bytes or a "
-                        "suffixed size: 512M, 16G (default: 16G)")
+                        "suffixed size: 512M, 16G (default: %(default)s)")
     g.add_argument("--host-tier-bytes", type=byte_size, default=None, metavar="B",
                    help="keep the tier in host memory instead of files (pinned on CUDA), every "
                         "rank's entries together: faster loads, nothing kept across a restart; "
                         "not with --cache-tier-dir (default: off)")
     g.add_argument("--cache-tier-eviction", choices=values(TierEviction),
-                   default=TierEviction.REUSE.value,
+                   default=TIER.cache_tier_eviction.value,
                    help="which entry a full tier drops: lru (least recently used) or reuse "
                         "(recency plus the prefill a hit there saves per byte, over the longest "
                         "entry below it)")
@@ -253,8 +259,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model=a.model,
         ranks=RankConfig(
-            dtype=Dtype(resolve_dtype(a.dtype, a.model, a.device)), device=Device(a.device),
-            cpu_fp32_weights=Fp32Weights(a.cpu_fp32_weights),
+            dtype=resolve_dtype(a.dtype, a.model, a.device), device=a.device,
+            cpu_fp32_weights=a.cpu_fp32_weights,
             cpu_packed_weights=a.cpu_packed_weights == "on", cuda_graph=not a.disable_cuda_graph,
             cuda_graph_max_bs=a.cuda_graph_max_bs, cuda_graph_max_context=a.cuda_graph_max_context,
             state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots),
@@ -262,25 +268,27 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests,
             chunked_prefill_size=a.chunked_prefill_size, step_target_ms=a.step_target_ms,
             checkpoint_interval=a.checkpoint_interval,
-            schedule_policy=SchedulePolicyName(a.schedule_policy),
+            schedule_policy=a.schedule_policy,
             schedule_max_passes=a.schedule_max_passes, prefill_mix_ratio=a.prefill_mix_ratio,
             decode_interleave=a.decode_interleave,
-            checkpoint_eviction=CheckpointEviction(a.checkpoint_eviction),
-            checkpoint_admission=CheckpointAdmission(a.checkpoint_admission),
+            checkpoint_eviction=a.checkpoint_eviction,
+            checkpoint_admission=a.checkpoint_admission,
             prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished,
-            park_finished=not a.no_park_finished, decode_first=DecodeFirst(a.decode_first)),
+            park_finished=not a.no_park_finished, decode_first=a.decode_first),
         checkpoints=CheckpointSpec(
-            w_max=w_max, selection=Selection(a.selection), mask_seed=a.mask_seed,
+            w_max=w_max, selection=a.selection, mask_seed=a.mask_seed,
             payload=Payload.INT8 if a.int8_checkpoints else Payload.FP32,
-            placement=Placement(a.placement), load_policy=LoadPolicy(a.load_policy)),
+            placement=a.placement, load_policy=a.load_policy),
         tier=CacheTierConfig(
-            directory=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
-            budget_bytes=a.cache_tier_bytes, eviction=TierEviction(a.cache_tier_eviction),
-            host_bytes=a.host_tier_bytes))
+            cache_tier_dir=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
+            cache_tier_bytes=a.cache_tier_bytes, cache_tier_eviction=a.cache_tier_eviction,
+            host_tier_bytes=a.host_tier_bytes))
 
 
 def validate(args: argparse.Namespace) -> None:
-    """What can be checked before any process starts; raises with a one-line message."""
+    """What can be checked before any process starts and beyond one config's own values
+    (the configs check those when ``serve_config`` builds them); raises with a one-line
+    message."""
     from model_runner.config import ModelConfig
     from model_runner.model_files import check_tp, check_weight_files
 
@@ -290,22 +298,10 @@ def validate(args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_dir(model_dir)
     check_tp(cfg, args.tp, str(model_dir / "config.json"))
     check_weight_files(model_dir)
-    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                 "cuda_graph_max_bs", "cuda_graph_max_context", "step_target_ms"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("checkpoint_interval", "wmax", "schedule_max_passes", "prefill_mix_ratio",
-                 "decode_interleave"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
-    if args.host_tier_bytes is not None and args.cache_tier_dir is not None:
-        raise ValueError("--host-tier-bytes and --cache-tier-dir: one second tier at a time")
     for flag, port, low in (("--port", args.port, 0), ("--master-port", args.master_port, 1)):
         if not low <= port <= 65535:
             raise ValueError(f"{flag} must lie in [{low}, 65535] (got {port})")
     check_device(args)
-    if args.checkpoint_slots is not None and args.checkpoint_slots < 1:
-        raise ValueError("--checkpoint-slots must be at least 1")
     if args.target_slots is not None:
         if args.state_budget_bytes is None:
             raise ValueError("--target-slots needs --state-budget-bytes, the budget the slots "

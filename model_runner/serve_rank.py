@@ -38,11 +38,17 @@ from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, target_logprobs
 from model_runner.tier_store import TierStore, fingerprint, kv_bytes_per_token
-from scheduler.scheduler_config import active_state_slots
 from scheduler.wire import ipc
 from scheduler.wire.messages import Shutdown
 from scheduler.wire.rank_messages import BatchPlan, RankInfo, RowTables, SeqStep, StepResult
-from scheduler.wire.serve_config import CheckpointSpec, Payload, RankConfig, Selection, ServeConfig
+from scheduler.wire.serve_config import (
+    DEFAULT_CHECKPOINT_SLOTS,
+    CheckpointSpec,
+    Payload,
+    RankConfig,
+    Selection,
+    ServeConfig,
+)
 
 
 def build_plan(model_dir: str, cfg: ModelConfig, spec: CheckpointSpec) -> SelectionPlan:
@@ -73,7 +79,7 @@ def checkpoint_slots(ranks: RankConfig, slot_bytes: int) -> int:
         return ranks.checkpoint_slots
     if ranks.state_budget_bytes is not None:
         return slots_at_budget(ranks.state_budget_bytes, slot_bytes)
-    return 64
+    return DEFAULT_CHECKPOINT_SLOTS
 
 
 def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
@@ -83,7 +89,7 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
     cfg = ModelConfig.from_dir(config.model)
     rc = RunnerConfig(config.model, dtype=ranks.dtype, device=str(device),
                       num_pages=sched.max_total_tokens, page_size=1,
-                      num_state_slots=active_state_slots(sched.max_running_requests),
+                      num_state_slots=sched.num_state_slots,
                       cuda_graph_max_bs=graph_max_bs(ranks, sched.max_running_requests, device),
                       cuda_graph_max_context=ranks.cuda_graph_max_context,
                       fp32_weights=fp32_weights(ranks.cpu_fp32_weights),
@@ -109,7 +115,7 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
                     measure_prefill_rate(runner, min(PROBE_TOKENS, sched.max_total_tokens))
                     if sched.step_target_ms else 0.0)
     if config.tier.enabled:
-        directory = config.tier.directory
+        directory = config.tier.cache_tier_dir
         info.tier_fingerprint = fingerprint(config, runner, tp.size) if directory else "memory"
         info.kv_bytes_per_token = kv_bytes_per_token(runner)
         info.tier_slot_bytes = runner.checkpoints.nbytes_per_slot()

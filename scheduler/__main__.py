@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from scheduler.cache_tier import ENTRY_OVERHEAD, CacheTier, tell
-from scheduler.policy import SchedulePolicy
+from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import DEFAULT_CHUNKED_PREFILL, SchedulerConfig, prefill_budget
 from scheduler.wire import ipc
 from scheduler.wire.messages import (
     AbortReq,
@@ -125,37 +125,29 @@ class SchedulerProcess:
         return True
 
 
+def prefill_budget(tokens_per_s: float, step_target_ms: float, low: int = 64,
+                   high: int = 8192) -> int:
+    """New tokens per step so that a step's prefill takes about ``step_target_ms`` at the
+    measured prefill rate: a multiple of 64 in [low, high].  Decodes share every step with the
+    prefill chunks, so this bounds how long a decode waits behind a long prompt."""
+    tokens = int(tokens_per_s * step_target_ms / 1000.0) // 64 * 64
+    return min(high, max(low, tokens))
+
+
 def chunk_budget(cfg: SchedulingConfig, info: RankInfo) -> int:
-    if cfg.chunked_prefill_size is not None:
-        return cfg.chunked_prefill_size
-    if cfg.step_target_ms is not None:
+    if cfg.chunked_prefill_size is None and cfg.step_target_ms is not None:
         return prefill_budget(info.prefill_tokens_per_s, cfg.step_target_ms)
-    return DEFAULT_CHUNKED_PREFILL
+    return cfg.chunk_tokens
 
 
-def scheduler_config(cfg: ServeConfig, info: RankInfo) -> SchedulerConfig:
+def scheduler_args(cfg: ServeConfig, info: RankInfo) -> tuple[SchedulingConfig, RankLimits]:
+    """The scheduler's config (its chunk budget resolved) and the limits the ranks reported."""
     s = cfg.scheduling
-    return SchedulerConfig(
-        max_total_tokens=s.max_total_tokens,
-        max_running_requests=s.max_running_requests,
-        num_checkpoint_slots=info.num_checkpoint_slots,
-        max_context_len=info.max_context_len,
-        vocab_size=info.vocab_size,
-        eos_token_id=info.eos_token_id,
-        chunked_prefill_size=chunk_budget(s, info),
-        checkpoint_interval=s.checkpoint_interval,
-        prefix_cache=s.prefix_cache,
-        cache_finished=s.cache_finished,
-        park_finished=s.park_finished,
-        load_policy=cfg.checkpoints.load_policy,
-        refresh_window=info.refresh_window,
-        policy=SchedulePolicy(name=s.schedule_policy, schedule_max_passes=s.schedule_max_passes,
-                              prefill_mix_ratio=s.prefill_mix_ratio,
-                              decode_interleave=s.decode_interleave,
-                              decode_first=s.decode_first),
-        checkpoint_eviction=s.checkpoint_eviction,
-        checkpoint_admission=s.checkpoint_admission,
-    )
+    limits = RankLimits(num_checkpoint_slots=info.num_checkpoint_slots,
+                        max_context_len=info.max_context_len, vocab_size=info.vocab_size,
+                        eos_token_id=info.eos_token_id, load_policy=cfg.checkpoints.load_policy,
+                        refresh_window=info.refresh_window)
+    return replace(s, chunked_prefill_size=chunk_budget(s, info)), limits
 
 
 def open_tier(config: ServeConfig, info: RankInfo) -> CacheTier | None:
@@ -197,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: scheduler: rank 0 sent {type(info).__name__} instead of RankInfo",
               file=sys.stderr)
         return 1
-    cfg = scheduler_config(config, info)
+    cfg, limits = scheduler_args(config, info)
     tier = open_tier(config, info)
     ipc.send(front, ServerInfo(config, info, cfg.chunked_prefill_size))
-    proc = SchedulerProcess(Scheduler(cfg, tier), rank, front)
+    proc = SchedulerProcess(Scheduler(cfg, limits, tier), rank, front)
     try:
         proc.run()
         proc.flush_tier()

@@ -29,19 +29,10 @@ state at each (scheduler/step_planner.py says when it ends at one instead).
 from __future__ import annotations
 
 from scheduler.radix_cache import RadixCache
-from scheduler.wire.serve_config import CheckpointAdmission
 
-CKPT_ADMISSIONS = tuple(CheckpointAdmission)
-DEFAULT_CKPT_ADMISSION = CheckpointAdmission.BRANCH
 # A checkpoint saving fewer tokens is not worth a slot and the step its chunk split costs
 # (a judgement, not a measurement; eviction by value would drop such a slot first anyway).
 MIN_BRANCH_GAIN = 32
-
-
-def check_admission(admission: str) -> None:
-    if admission not in CKPT_ADMISSIONS:
-        raise ValueError(f"checkpoint admission must be one of {', '.join(CKPT_ADMISSIONS)}, "
-                         f"got {admission!r}")
 
 
 def store_points(prompt: list[int], interval: int, admission: str,

@@ -177,12 +177,13 @@ class CacheTier:
     @classmethod
     def open(cls, cfg: CacheTierConfig, fingerprint: str, tp_size: int,
              entry_bytes) -> CacheTier | None:
-        """The tier for this fingerprint under ``cfg.directory``, its entries restored; None
+        """The tier for this fingerprint under ``cfg.cache_tier_dir``, its entries restored; None
         (after one line saying why) when the directory cannot be written.  With
-        ``cfg.host_bytes``: an empty tier in the ranks' host memory."""
-        if cfg.host_bytes is not None:
-            return cls(None, fingerprint, tp_size, cfg.host_bytes, cfg.eviction, entry_bytes)
-        base = Path(cfg.directory)
+        ``cfg.host_tier_bytes``: an empty tier in the ranks' host memory."""
+        if cfg.host_tier_bytes is not None:
+            return cls(None, fingerprint, tp_size, cfg.host_tier_bytes, cfg.cache_tier_eviction,
+                       entry_bytes)
+        base = Path(cfg.cache_tier_dir)
         root = base / f"tier-{fingerprint[:16]}"
         try:
             for r in range(tp_size):
@@ -198,7 +199,8 @@ class CacheTier:
         if others:
             tell(f"{base} also holds {len(others)} tier(s) written by another model or other "
                  f"settings ({', '.join(others)}); left as they are, not loaded")
-        tier = cls(root, fingerprint, tp_size, cfg.budget_bytes, cfg.eviction, entry_bytes)
+        tier = cls(root, fingerprint, tp_size, cfg.cache_tier_bytes, cfg.cache_tier_eviction,
+                   entry_bytes)
         tier._restore()
         return tier
 

@@ -4,11 +4,6 @@ consumed) or ``reuse`` (``by_value``: recency plus the prefill a hit there saves
 from __future__ import annotations
 
 from scheduler.radix_node import Node
-from scheduler.wire.serve_config import CheckpointEviction
-
-CKPT_EVICTIONS = tuple(CheckpointEviction)
-# the server's: docs/results/serving.md, "Checkpoint eviction"
-DEFAULT_CKPT_EVICTION = CheckpointEviction.REUSE
 
 
 def by_value(nodes: list[Node]) -> list[Node]:

@@ -29,39 +29,27 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from itertools import islice
 
 from scheduler.request import Req
-from scheduler.step_costs import DECODE_FIRST
-from scheduler.wire.serve_config import DecodeFirst, SchedulePolicyName
+from scheduler.wire.serve_config import SchedulePolicyName, SchedulingConfig
 
-POLICIES = tuple(SchedulePolicyName)
 # lpm ranks at most this many of the oldest waiting requests per step (each costs a prefix
 # match); the rest keep arrival order behind them, as SGLang falls back to fcfs on long queues
 LPM_MAX_RANKED = 128
 
 
-@dataclass(frozen=True, slots=True)
 class SchedulePolicy:
-    """The default, lpm, measured best (docs/results/serving.md, "Schedule policies")."""
+    """A step's prefill order, by the scheduling config's policy fields (the default, lpm,
+    measured best: docs/results/serving.md, "Schedule policies")."""
 
-    name: SchedulePolicyName = SchedulePolicyName.LPM
-    schedule_max_passes: int = 32
-    prefill_mix_ratio: float = 8.0  # 0: never defer (order only)
-    decode_interleave: int = 0  # decode interleave: 0 lets every step carry prefill
-    decode_first: DecodeFirst = DecodeFirst.OFF  # COST: defer prefill by the step costs
+    __slots__ = ("decode_interleave", "schedule_max_passes", "prefill_mix_ratio", "lpm")
 
-    def __post_init__(self):
-        if self.name not in POLICIES:
-            raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, "
-                             f"got {self.name!r}")
-        if self.decode_first not in DECODE_FIRST:
-            raise ValueError(f"decode_first must be one of {', '.join(DECODE_FIRST)}, "
-                             f"got {self.decode_first!r}")
-        if self.schedule_max_passes < 0 or self.prefill_mix_ratio < 0 or self.decode_interleave < 0:
-            raise ValueError("schedule_max_passes, prefill_mix_ratio and decode_interleave must "
-                             "be >= 0")
+    def __init__(self, cfg: SchedulingConfig):
+        self.decode_interleave = cfg.decode_interleave
+        self.schedule_max_passes = cfg.schedule_max_passes
+        self.prefill_mix_ratio = cfg.prefill_mix_ratio
+        self.lpm = cfg.schedule_policy is SchedulePolicyName.LPM
 
     def takes_prefill(self, decoding: bool, decode_only_run: int) -> bool:
         """Whether a step may carry prefill, given whether any request decodes and how many
@@ -75,7 +63,7 @@ class SchedulePolicy:
               remaining: Callable[[Req], int]) -> list[Req]:
         """Prefill candidates in the order a step offers them budget: ``running`` are the
         admitted requests still prefilling, ``waiting`` the queue in arrival order."""
-        if self.name == "fcfs":
+        if not self.lpm:
             return running + list(waiting)
         waiting = iter(waiting)
         ranked = running + list(islice(waiting, LPM_MAX_RANKED))
@@ -89,7 +77,7 @@ class SchedulePolicy:
 
     @property
     def can_defer(self) -> bool:
-        return self.name == "lpm" and self.prefill_mix_ratio > 0
+        return self.lpm and self.prefill_mix_ratio > 0
 
     def defers(self, r: Req, chunk_len: int, longest_chunk: int) -> bool:
         """lpm: keep a chunk out of a step whose prefill chunks are all much shorter."""

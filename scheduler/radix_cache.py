@@ -29,9 +29,10 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from scheduler.checkpoint_eviction import CKPT_EVICTIONS, by_value
+from scheduler.checkpoint_eviction import by_value
 from scheduler.index_pool import IndexPool
 from scheduler.radix_node import InsertResult, MatchResult, Node, common_prefix
+from scheduler.wire.serve_config import CheckpointEviction
 
 
 class RadixCache:
@@ -39,8 +40,8 @@ class RadixCache:
                  slot_pool: IndexPool | None = None):
         """``slot_pool``: the active state slots, where dropped parked slots go back (None: the
         cache parks nothing)."""
-        if checkpoint_eviction not in CKPT_EVICTIONS:
-            raise ValueError(f"checkpoint eviction must be one of {', '.join(CKPT_EVICTIONS)}, "
+        if checkpoint_eviction not in tuple(CheckpointEviction):
+            raise ValueError(f"checkpoint eviction must be one of {', '.join(CheckpointEviction)}, "
                              f"got {checkpoint_eviction!r}")
         self.kv_pool, self.ckpt_pool, self.slot_pool = kv_pool, ckpt_pool, slot_pool
         self._parked: dict[int, Node] = {}  # parked slot -> its node, oldest first

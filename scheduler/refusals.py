@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from scheduler.scheduler_config import SchedulerConfig
+from scheduler.limits import RankLimits
 from scheduler.wire.messages import SamplingParams
 
 
@@ -16,19 +16,20 @@ def _is_real(x: object) -> bool:
     return isinstance(x, int) or (isinstance(x, float) and math.isfinite(x))
 
 
-def check_request(cfg: SchedulerConfig, prompt: list[int], s: SamplingParams) -> str | None:
+def check_request(limits: RankLimits, max_total_tokens: int, prompt: list[int],
+                  s: SamplingParams) -> str | None:
     if not prompt:
         return "the prompt is empty"
-    if any(not 0 <= t < cfg.vocab_size for t in prompt):
-        return f"token ids must lie in [0, {cfg.vocab_size})"
+    if any(not 0 <= t < limits.vocab_size for t in prompt):
+        return f"token ids must lie in [0, {limits.vocab_size})"
     if s.max_tokens < 1:
         return "max_tokens must be at least 1"
     total = len(prompt) + s.max_tokens
-    limit = min(cfg.max_context_len, cfg.max_total_tokens)
+    limit = min(limits.max_context_len, max_total_tokens)
     if total > limit:
         return (f"prompt ({len(prompt)} tokens) + max_tokens ({s.max_tokens}) = {total} "
                 f"exceeds the limit of {limit} tokens")
-    return check_logit_controls(cfg.vocab_size, s) if s.has_logit_controls else None
+    return check_logit_controls(limits.vocab_size, s) if s.has_logit_controls else None
 
 
 def check_logit_controls(vocab: int, s: SamplingParams) -> str | None:

@@ -15,19 +15,20 @@ from collections import deque
 
 from scheduler.cache_tier import CacheTier
 from scheduler.index_pool import IndexPool
+from scheduler.limits import RankLimits
 from scheduler.radix_cache import RadixCache
 from scheduler.refusals import check_request
 from scheduler.request import Req
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.wire.messages import Counters, SamplingParams, TokenOut
+from scheduler.wire.serve_config import SchedulingConfig
 
 
 class RequestTable:
-    def __init__(self, cfg: SchedulerConfig, tier: CacheTier | None = None):
-        self.cfg, self.tier = cfg, tier
+    def __init__(self, cfg: SchedulingConfig, limits: RankLimits, tier: CacheTier | None = None):
+        self.cfg, self.limits, self.tier = cfg, limits, tier
         self.slots = IndexPool(cfg.max_running_requests, first=1)
         self.cache = RadixCache(IndexPool(cfg.max_total_tokens),
-                                IndexPool(cfg.num_checkpoint_slots), cfg.checkpoint_eviction,
+                                IndexPool(limits.num_checkpoint_slots), cfg.checkpoint_eviction,
                                 slot_pool=self.slots if cfg.park_finished else None)
         if tier is not None:
             self.cache.on_drop_ckpt = self._spill
@@ -43,7 +44,7 @@ class RequestTable:
 
     def add(self, rid: str, prompt: list[int], sampling: SamplingParams) -> TokenOut | None:
         """Queue a request, or return the finished error frame that refuses it."""
-        error = check_request(self.cfg, prompt, sampling)
+        error = check_request(self.limits, self.cfg.max_total_tokens, prompt, sampling)
         if rid in self._live:  # outputs and the ranks' row tables are keyed by it
             error = f"request id {rid!r} is already in flight"
         if error is not None:

@@ -35,7 +35,7 @@ def process_result(table: RequestTable, inflight: list[InFlight],
         token, logprob = next(sampled)
         top_ids, top_logprobs = next(tops, ([], []))
         r.output.append(token)
-        reason = finish_reason(r, token, table.cfg.eos_token_id)
+        reason = finish_reason(r, token, table.limits.eos_token_id)
         out = TokenOut(r.rid, [token], [logprob], finished=reason is not None,
                        finish_reason=reason, prompt_tokens=len(r.prompt),
                        cached_tokens=r.hit_len)

@@ -14,26 +14,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from scheduler.admission import check_admission
 from scheduler.cache_tier import CacheTier
 from scheduler.index_pool import IndexPool
+from scheduler.limits import RankLimits
 from scheduler.radix_cache import RadixCache
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
 from scheduler.result_processor import process_result
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.step_planner import StepPlanner
 from scheduler.wire.messages import Counters, SamplingParams, TokenOut
 from scheduler.wire.rank_messages import BatchPlan, StepResult
+from scheduler.wire.serve_config import SchedulingConfig
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, tier: CacheTier | None = None):
+    def __init__(self, cfg: SchedulingConfig, limits: RankLimits, tier: CacheTier | None = None):
         """``tier``: the second cache tier (``scheduler/cache_tier.py``), or None."""
-        check_admission(cfg.checkpoint_admission)
-        self.cfg = cfg
-        self.table = RequestTable(cfg, tier)
-        self.planner = StepPlanner(cfg, self.table)
+        self.cfg, self.limits = cfg, limits
+        self.table = RequestTable(cfg, limits, tier)
+        self.planner = StepPlanner(self.table)
 
     @property
     def cache(self) -> RadixCache:

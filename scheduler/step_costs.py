@@ -26,9 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.wire.serve_config import DecodeFirst
-
-DECODE_FIRST = tuple(DecodeFirst)
 MIN_SAMPLE_TOKENS = 32  # a step with fewer prefill tokens than this says little about a token
 SMOOTHING = 0.25  # weight of the newest step in each running average
 

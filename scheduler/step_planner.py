@@ -51,14 +51,13 @@ from typing import NamedTuple
 
 from scheduler.admission import MIN_BRANCH_GAIN, store_points
 from scheduler.cache_tier import TierEntry
-from scheduler.policy import LPM_MAX_RANKED, count_passes
+from scheduler.policy import LPM_MAX_RANKED, SchedulePolicy, count_passes
 from scheduler.radix_cache import Node
 from scheduler.request import Req
 from scheduler.request_table import RequestTable
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.step_costs import StepCosts
 from scheduler.wire.rank_messages import BatchPlan, LogitControls, Sample, SeqStep, TierMove
-from scheduler.wire.serve_config import LoadPolicy
+from scheduler.wire.serve_config import DecodeFirst, LoadPolicy
 
 
 class InFlight(NamedTuple):
@@ -72,9 +71,9 @@ class InFlight(NamedTuple):
 
 
 class StepPlanner:
-    def __init__(self, cfg: SchedulerConfig, table: RequestTable):
-        self.cfg = cfg
-        self.table = table
+    def __init__(self, table: RequestTable):
+        self.cfg, self.limits, self.table = table.cfg, table.limits, table
+        self.policy = SchedulePolicy(table.cfg)
         self.inflight: list[InFlight] = []
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
@@ -107,13 +106,13 @@ class StepPlanner:
         self._find_followers()
         self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1)
         self._first = None
-        budget = self.cfg.chunked_prefill_size
+        budget = self.cfg.chunk_tokens
         decoding = [r for r in table.running if not r.is_prefilling]
         for r in decoding:
             self._add_seq(plan, r, r.computed + 1)
         budget -= len(decoding)
         ckpt_locked = []
-        if (self.cfg.policy.takes_prefill(bool(plan.seqs), self._decode_only_run)
+        if (self.policy.takes_prefill(bool(plan.seqs), self._decode_only_run)
                 and not self._decodes_first(decoding, budget)):
             ckpt_locked = self._add_prefills(plan, budget)
             self._settle_first_cuts(plan)
@@ -143,7 +142,7 @@ class StepPlanner:
     def _decodes_first(self, decoding: list[Req], budget: int) -> bool:
         """``--decode-first cost``: whether this step leaves its prefill out, by the step
         costs' rule over the prefill it would take (up to ``budget`` tokens)."""
-        if self.cfg.policy.decode_first != "cost" or not decoding or budget <= 0:
+        if self.cfg.decode_first is not DecodeFirst.COST or not decoding or budget <= 0:
             return False
         table = self.table
         prefilling = [r for r in table.running if r.is_prefilling]
@@ -164,7 +163,7 @@ class StepPlanner:
         """Offer the step's budget to the prefill candidates in the policy's order: admitted
         requests take their next chunk, waiting ones are admitted first (after the first that
         does not fit, no other is).  Returns the nodes whose checkpoints this step loads."""
-        policy, table = self.cfg.policy, self.table
+        policy, table = self.policy, self.table
         prefilling = [r for r in table.running if r.is_prefilling]
         remaining_of = self._remaining_prefill
         served, skipped, ckpt_locked = [], [], []
@@ -314,8 +313,8 @@ class StepPlanner:
 
     def _plan_refresh(self, plan: BatchPlan, r: Req) -> None:
         """dasc-wr: replay the last W_wr tokens before the hit into a zero scratch slot."""
-        window, counters = self.cfg.refresh_window, self.table.counters
-        if self.cfg.load_policy != LoadPolicy.WR or window <= 0:
+        window, counters = self.limits.refresh_window, self.table.counters
+        if self.limits.load_policy != LoadPolicy.WR or window <= 0:
             counters.loads_nr += 1
             return
         end = r.computed
@@ -398,7 +397,7 @@ class StepPlanner:
     def _controls(self, r: Req) -> LogitControls:
         """What rank 0 keeps for the request; only ids inside the vocabulary are banned (a stop
         id outside it can never be sampled anyway)."""
-        s, vocab, eos = r.sampling, self.cfg.vocab_size, self.cfg.eos_token_id
+        s, vocab, eos = r.sampling, self.limits.vocab_size, self.limits.eos_token_id
         banned = [t for t in s.stop_token_ids if 0 <= t < vocab]
         if eos is not None and not s.ignore_eos and eos not in banned:
             banned.append(eos)

@@ -111,12 +111,12 @@ class FakeRanks:
             end = q.prefix_len + len(q.token_ids)
             kv_rows = self.kv_rows(q)
             assert end == r.hit_len and len(kv_rows) == end
-            assert q.prefix_len == max(0, end - cfg.refresh_window)
+            assert q.prefix_len == max(0, end - s.limits.refresh_window)
             assert q.token_ids == r.prompt[q.prefix_len : end] and q.sample is None
             hs = prefix_hashes(r.prompt[:end])
             assert [self.row[x] for x in kv_rows] == hs
             self.num_refresh += 1
-        if cfg.load_policy is not LoadPolicy.WR or cfg.refresh_window <= 0:
+        if s.limits.load_policy is not LoadPolicy.WR or s.limits.refresh_window <= 0:
             assert not plan.refresh
         # (4) forward; a snapshot slot (a scratch slot: only a request's own replay may share
         # it) gets the state at its cut

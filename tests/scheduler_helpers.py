@@ -9,29 +9,32 @@ import random
 from fake_ranks import FakeRanks
 
 from scheduler.cache_tier import CacheTier
+from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.wire.messages import SamplingParams, TokenOut
 from scheduler.wire.rank_messages import BatchPlan, StepResult
-from scheduler.wire.serve_config import CacheTierConfig, TierEviction
+from scheduler.wire.serve_config import CacheTierConfig, SchedulingConfig
 
 EOS = 0
 
 
 def make(tier: CacheTier | None = None, **kw) -> Scheduler:
+    """A scheduler of small pools; ``kw`` sets fields of its ``SchedulingConfig`` and of the
+    ``RankLimits`` (checkpoint slots, context, vocabulary, eos, load policy, refresh window)."""
     base = dict(max_total_tokens=400, max_running_requests=4, num_checkpoint_slots=8,
                 max_context_len=4096, vocab_size=64, eos_token_id=EOS, chunked_prefill_size=32,
                 checkpoint_interval=8)
     base.update(kw)
-    return Scheduler(SchedulerConfig(**base), tier)
+    limits = {k: base.pop(k) for k in RankLimits.__dataclass_fields__ if k in base}
+    return Scheduler(SchedulingConfig(**base), RankLimits(**limits), tier)
 
 
 def make_tier(directory, budget: int, eviction: str = "reuse", tp_size: int = 1,
               host: bool = False) -> CacheTier:
     """A second tier in ``directory`` (``host``: in the ranks' memory) whose entries cost 100
     bytes plus one a token."""
-    cfg = CacheTierConfig(None if host else str(directory), budget, TierEviction(eviction),
-                          budget if host else None)
+    cfg = CacheTierConfig(cache_tier_dir=None if host else str(directory), cache_tier_bytes=budget,
+                          cache_tier_eviction=eviction, host_tier_bytes=budget if host else None)
     return CacheTier.open(cfg, "f" * 64, tp_size, lambda n: 100 + n)
 
 

@@ -11,7 +11,7 @@ import pytest
 from scheduler_helpers import make_tier
 
 from scheduler.cache_tier import CacheTier, PrefixIndex, TierEntry
-from scheduler.wire.serve_config import CacheTierConfig, TierEviction
+from scheduler.wire.serve_config import CacheTierConfig
 
 
 def spill_written(tier: CacheTier, tokens: list[int]) -> TierEntry:
@@ -114,7 +114,8 @@ def test_a_tier_of_other_settings_is_named_and_left_alone(tmp_path, capsys):
     first = make_tier(tmp_path, budget=10_000)
     spill_written(first, [1, 2, 3])
     first.close()
-    cfg = CacheTierConfig(str(tmp_path), 10_000, TierEviction.LRU, None)
+    cfg = CacheTierConfig(cache_tier_dir=str(tmp_path), cache_tier_bytes=10_000,
+                          cache_tier_eviction="lru")
     other = CacheTier.open(cfg, "e" * 64, 1, lambda n: 100 + n)
     assert not other.entries and other.root != first.root
     assert (first.root / "index.log").exists() and len(list(first.root.rglob("*.entry"))) == 1
@@ -126,7 +127,8 @@ def test_a_tier_of_other_settings_is_named_and_left_alone(tmp_path, capsys):
 def test_an_unwritable_directory_turns_the_tier_off(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    cfg = CacheTierConfig(str(blocker / "tier"), 10_000, TierEviction.LRU, None)
+    cfg = CacheTierConfig(cache_tier_dir=str(blocker / "tier"), cache_tier_bytes=10_000,
+                          cache_tier_eviction="lru")
     assert CacheTier.open(cfg, "f" * 64, 1, lambda n: n) is None
     assert capsys.readouterr().err.count("is not writable") == 1
 

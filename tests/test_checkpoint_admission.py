@@ -10,9 +10,10 @@ import pytest
 from fake_ranks import boundaries, tree_ckpts
 from scheduler_helpers import Loop, make, random_tokens
 
-from scheduler.admission import CKPT_ADMISSIONS, MIN_BRANCH_GAIN, store_points
+from scheduler.admission import MIN_BRANCH_GAIN, store_points
 from scheduler.index_pool import IndexPool
 from scheduler.radix_cache import RadixCache
+from scheduler.wire.serve_config import CheckpointAdmission
 
 INTERVAL = 16
 MAX_TOKENS = 4  # a finished request's checkpoint lies at len(prompt) + MAX_TOKENS - 1
@@ -89,7 +90,7 @@ def test_cached_len_counts_a_partial_edge():
 
 
 def test_an_unknown_admission_is_refused():
-    with pytest.raises(ValueError, match="checkpoint admission must be one of branch, all, reuse"):
+    with pytest.raises(ValueError, match="--checkpoint-admission must be one of branch, all"):
         make(checkpoint_admission="every")
 
 
@@ -121,7 +122,7 @@ def test_all_stores_every_multiple_on_the_first_reach():
 def test_reuse_hits_at_a_branch_point_off_the_interval():
     prefix = tokens(0, 37)
     hits = {}
-    for admission in CKPT_ADMISSIONS:
+    for admission in CheckpointAdmission:
         loop = Loop(scheduler(admission), random_tokens())
         for k in (20, 30, 40):
             hits[admission, k] = serve(loop, f"r{k}", prefix + tokens(k, 12))
@@ -177,7 +178,7 @@ def test_reuse_keeps_the_ends_of_a_turn_and_skips_a_branch_they_cover():
 
 def test_the_flag_reaches_the_scheduler():
     from dasc_server.flags import parse_args, serve_config
-    from scheduler.__main__ import scheduler_config
+    from scheduler.__main__ import scheduler_args
     from scheduler.wire.rank_messages import RankInfo
     from scheduler.wire.serve_config import ServeConfig
 
@@ -185,4 +186,5 @@ def test_the_flag_reaches_the_scheduler():
     for flags, admission in (([], "branch"), (["--checkpoint-admission", "all"], "all"),
                              (["--checkpoint-admission", "reuse"], "reuse")):
         sent = serve_config(parse_args(flags)).to_json()
-        assert scheduler_config(ServeConfig.from_json(sent), info).checkpoint_admission == admission
+        cfg, _ = scheduler_args(ServeConfig.from_json(sent), info)
+        assert cfg.checkpoint_admission == admission

@@ -17,10 +17,11 @@ from serving import KIMI, running_server
 
 from model_runner.batch import SeqInput
 from model_runner.runner import ModelRunner, RunnerConfig
+from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.wire.messages import SamplingParams
 from scheduler.wire.rank_messages import StepResult
+from scheduler.wire.serve_config import SchedulingConfig
 
 MODEL_NAME = KIMI.name
 PROMPT_IDS = list(b"The grass is green. The sky is blue and the sea is wide. Snow is")  # 64
@@ -143,10 +144,10 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(oai, reference):
 
 
 def test_scheduler_asks_for_every_prompt_token_once_and_skips_the_cache():
-    cfg = SchedulerConfig(max_total_tokens=256, max_running_requests=4, num_checkpoint_slots=8,
-                          max_context_len=256, vocab_size=300, chunked_prefill_size=7,
-                          checkpoint_interval=4)
-    sched = Scheduler(cfg)
+    cfg = SchedulingConfig(max_total_tokens=256, max_running_requests=4, chunked_prefill_size=7,
+                           checkpoint_interval=4)
+    sched = Scheduler(cfg, RankLimits(num_checkpoint_slots=8, max_context_len=256,
+                                      vocab_size=300))
     prompt = list(range(10, 40))
     # echo first (stores checkpoints), a plain request (hits them), echo again (matches none)
     for rid, echo in (("echo", True), ("plain", False), ("echo-again", True)):

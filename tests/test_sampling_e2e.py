@@ -16,10 +16,11 @@ from model_runner.checkpoints.pool import CheckpointFormat
 from model_runner.runner import ModelRunner, RunnerConfig
 from model_runner.sampling import LogitControlTable
 from model_runner.serve_rank import build_plan, execute, row_tables
+from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import SchedulerConfig, active_state_slots
 from scheduler.wire.messages import SamplingParams
 from scheduler.wire.rank_messages import StepResult
+from scheduler.wire.serve_config import SchedulingConfig
 
 ROWS, RUNNING = 512, 4
 PROMPT = list(b"The grass is green. The sky is blue. The grass is")
@@ -29,7 +30,7 @@ OTHER = list(b"Facts to remember: one, two, three")
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
     rc = RunnerConfig(str(KIMI), num_pages=ROWS, page_size=1,
-                      num_state_slots=active_state_slots(RUNNING))
+                      num_state_slots=SchedulingConfig(max_running_requests=RUNNING).num_state_slots)
     runner = ModelRunner(rc)
     dense = serve_config(parse_args(["--model", str(KIMI)])).checkpoints
     plan = build_plan(str(KIMI), runner.cfg, dense)
@@ -41,8 +42,10 @@ def serve(runner: ModelRunner, reqs: dict[str, tuple[list[int], SamplingParams]]
           ) -> tuple[dict[str, list[int]], dict[str, str], Scheduler]:
     """The scheduler process's loop with rank 0 in process; tokens and finish reasons."""
     cfg = runner.cfg
-    s = Scheduler(SchedulerConfig(ROWS, RUNNING, 8, 4096, cfg.vocab_size, cfg.eos_token_id,
-                                  chunked_prefill_size=64, checkpoint_interval=16))
+    s = Scheduler(SchedulingConfig(max_total_tokens=ROWS, max_running_requests=RUNNING,
+                                   chunked_prefill_size=64, checkpoint_interval=16),
+                  RankLimits(num_checkpoint_slots=8, max_context_len=4096,
+                             vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id))
     for rid, (prompt, params) in reqs.items():
         assert s.add(rid, prompt, params) is None
     tables, controls = row_tables(runner), LogitControlTable()

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import pytest
 from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens
 
-from scheduler.policy import SchedulePolicy
 from scheduler.step_costs import MIN_SAMPLE_TOKENS, StepCosts
 from scheduler.wire.rank_messages import BatchPlan
+from scheduler.wire.serve_config import SchedulingConfig
 
 DECODE_S, TOKEN_S = 0.010, 0.002  # a CPU-like ratio: a prefill token costs a fifth of a step
 
@@ -67,7 +67,7 @@ def decoding_loop(decode_first: str, max_tokens: int, measured: bool = True):
     """A loop where request "a" decodes with ``max_tokens`` to sample and, if ``measured``,
     the scheduler has seen decode-only steps and a prefill step of 64 tokens."""
     s = make(max_total_tokens=4000, chunked_prefill_size=512, checkpoint_interval=0,
-             policy=SchedulePolicy("lpm", decode_first=decode_first))
+             schedule_policy="lpm", decode_first=decode_first)
     loop = Loop(s, random_tokens())
     loop.step_s = step_s(loop)
     assert loop.add("a", prompt_of(8, seed=1), max_tokens) is None
@@ -117,5 +117,5 @@ def test_the_prompt_joins_the_next_step(decode_first, max_tokens, prompt_len, me
 
 
 def test_a_decode_first_policy_must_be_known():
-    with pytest.raises(ValueError, match="decode_first"):
-        SchedulePolicy("lpm", decode_first="always")
+    with pytest.raises(ValueError, match="--decode-first must be one of off, cost, got 'always'"):
+        SchedulingConfig(decode_first="always")

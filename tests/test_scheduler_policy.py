@@ -8,7 +8,6 @@ import pytest
 from fake_ranks import tree_ckpts
 from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens, run_one
 
-from scheduler.policy import SchedulePolicy
 from scheduler.wire.messages import SamplingParams
 from scheduler.wire.serve_config import LoadPolicy
 
@@ -129,7 +128,7 @@ def test_no_prefix_cache_matches_and_stores_nothing():
     assert loop.final("b").cached_tokens == 0
     for plan in loop.plans:
         assert not plan.loads and not plan.stores_after and not plan.stores_before
-    assert not s.cache.root.children and s.cache.ckpt_pool.num_free == s.cfg.num_checkpoint_slots
+    assert not s.cache.root.children and s.cache.ckpt_pool.num_free == s.limits.num_checkpoint_slots
     assert_drained(s)
 
 
@@ -239,7 +238,7 @@ def test_consumed_checkpoint_survives_stores_planned_in_the_same_step():
 
 
 def test_abort_waiting_and_running_requests():
-    s = make(max_running_requests=1, policy=SchedulePolicy("fcfs"))  # "run" first
+    s = make(max_running_requests=1, schedule_policy="fcfs")  # "run" first
     loop = Loop(s, random_tokens())
     loop.add("run", prompt_of(30), 5)
     loop.add("wait", prompt_of(12, seed=4), 5)

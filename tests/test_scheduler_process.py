@@ -31,7 +31,7 @@ def test_scheduler_imports_no_torch():
 
 
 def test_prefill_budget_follows_the_measured_rate():
-    from scheduler.scheduler_config import prefill_budget
+    from scheduler.__main__ import prefill_budget
 
     # 1,000 tokens/s and a 250 ms step: 250 tokens, rounded down to 192 (multiples of 64)
     assert prefill_budget(1000.0, 250.0) == 192
@@ -66,8 +66,9 @@ def test_chunk_budget_flags():
     """An explicit --chunked-prefill-size wins; --step-target-ms derives the budget from the
     rate rank 0 measured; neither keeps the default."""
     from dasc_server.flags import parse_args, serve_config
-    from scheduler.__main__ import DEFAULT_CHUNKED_PREFILL, chunk_budget
+    from scheduler.__main__ import chunk_budget
     from scheduler.wire.rank_messages import RankInfo
+    from scheduler.wire.serve_config import DEFAULT_CHUNKED_PREFILL
 
     info = RankInfo("qwen3_next", 1, 64, None, 4096, 4, 100, 100, 0, prefill_tokens_per_s=4096.0)
 
@@ -122,13 +123,14 @@ def _scheduler_loop(monkeypatch):
     """A real ``SchedulerProcess`` over real IPC in a thread, rank 0 played by the test: yields
     (front end's connection, rank 0's connection, the list of integrity checks so far)."""
     from scheduler.__main__ import SchedulerProcess
+    from scheduler.limits import RankLimits
     from scheduler.scheduler import Scheduler
-    from scheduler.scheduler_config import SchedulerConfig
     from scheduler.wire import ipc
     from scheduler.wire.messages import Shutdown
+    from scheduler.wire.serve_config import SchedulingConfig
 
-    sched = Scheduler(SchedulerConfig(max_total_tokens=64, max_running_requests=2,
-                                      num_checkpoint_slots=2, max_context_len=64, vocab_size=32))
+    sched = Scheduler(SchedulingConfig(max_total_tokens=64, max_running_requests=2),
+                      RankLimits(num_checkpoint_slots=2, max_context_len=64, vocab_size=32))
     checks: list[int] = []
     real_check = sched.check_integrity
     monkeypatch.setattr(sched, "check_integrity", lambda: (real_check(), checks.append(1)))

@@ -9,7 +9,6 @@ import random
 import pytest
 from scheduler_helpers import EOS, Loop, assert_drained, make, make_tier
 
-from scheduler.policy import SchedulePolicy
 from scheduler.wire.serve_config import LoadPolicy
 
 CONFIGS = [
@@ -32,11 +31,12 @@ CONFIGS = [
          chunked_prefill_size=32, checkpoint_interval=16),
     # lpm reorders admissions and defers chunks (scheduler/policy.py): the books still balance
     dict(max_total_tokens=330, max_running_requests=4, num_checkpoint_slots=24,
-         chunked_prefill_size=32, checkpoint_interval=16, policy=SchedulePolicy("lpm", 4)),
+         chunked_prefill_size=32, checkpoint_interval=16, schedule_policy="lpm",
+         schedule_max_passes=4),
     dict(max_total_tokens=260, max_running_requests=3, num_checkpoint_slots=6,
          chunked_prefill_size=24, checkpoint_interval=8, load_policy=LoadPolicy.WR,
          refresh_window=6,
-         policy=SchedulePolicy("lpm", schedule_max_passes=1000, prefill_mix_ratio=2)),
+         schedule_policy="lpm", schedule_max_passes=1000, prefill_mix_ratio=2),
     # checkpoint eviction by value (scheduler/radix_cache.py, checkpoint_eviction="reuse")
     dict(max_total_tokens=400, max_running_requests=5, num_checkpoint_slots=3,
          chunked_prefill_size=64, checkpoint_interval=16, checkpoint_eviction="reuse"),
@@ -80,7 +80,7 @@ def test_random_workload(cfg, seed, tmp_path):
         return EOS if rng.random() < 0.08 else rng.randrange(1, 64)
 
     loop = Loop(s, token_fn, fetch_fails=lambda m: rng.random() < 0.2)
-    limit = min(s.cfg.max_total_tokens, s.cfg.max_context_len)
+    limit = min(s.cfg.max_total_tokens, s.limits.max_context_len)
     bases = [[rng.randrange(1, 64) for _ in range(rng.randint(3, 70))] for _ in range(4)]
     num_reqs, added, done = 150, 0, {}
     for _ in range(20_000):
@@ -142,8 +142,8 @@ def test_random_workload(cfg, seed, tmp_path):
     stats = loop.ranks
     if s.cfg.prefix_cache:
         assert stats.num_stores > 0
-        assert stats.num_loads > 0 or s.cfg.num_checkpoint_slots == 1  # 1 slot: LRU churns
-        if s.cfg.load_policy is LoadPolicy.WR:
+        assert stats.num_loads > 0 or s.limits.num_checkpoint_slots == 1  # 1 slot: LRU churns
+        if s.limits.load_policy is LoadPolicy.WR:
             assert stats.num_refresh == stats.num_loads
         # a hit adopts a parked slot (the fake ranks check it holds the hit's prefix) or loads
         if not (s.cfg.cache_finished and s.cfg.park_finished):

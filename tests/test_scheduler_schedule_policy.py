@@ -10,10 +10,13 @@ from __future__ import annotations
 import pytest
 from scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens
 
-from scheduler.policy import POLICIES, SchedulePolicy, count_passes
+from scheduler.policy import SchedulePolicy, count_passes
 from scheduler.request import Req
+from scheduler.wire.serve_config import SchedulePolicyName, SchedulingConfig
 
-LPM = SchedulePolicy("lpm", schedule_max_passes=1000)
+POLICIES = list(SchedulePolicyName)
+
+LPM = dict(schedule_policy="lpm", schedule_max_passes=1000)
 
 
 def cached(loop: Loop, prompts: list[list[int]]) -> None:
@@ -31,9 +34,14 @@ def first_step_of(loop: Loop, rid: str, since: int = 0) -> int:
     raise AssertionError(f"{rid} never ran")
 
 
-def policy_scheduler(policy: SchedulePolicy, **kw):
+def policy_fields(name: str = "lpm", **kw) -> dict:
+    """A scheduling config's policy fields."""
+    return dict(schedule_policy=name, **kw)
+
+
+def policy_scheduler(fields: dict, **kw):
     base = dict(checkpoint_interval=0, num_checkpoint_slots=16, max_total_tokens=2000,
-                max_running_requests=8, chunked_prefill_size=64, policy=policy)
+                max_running_requests=8, chunked_prefill_size=64, **fields)
     base.update(kw)
     return make(**base)
 
@@ -42,7 +50,7 @@ def policy_scheduler(policy: SchedulePolicy, **kw):
 def test_a_hit_queued_behind_a_miss(policy):
     """fcfs: the miss that came first shares the hit's step.  lpm: the hit runs alone (its one
     token) and the miss prefills in the next step."""
-    s = policy_scheduler(SchedulePolicy(policy))
+    s = policy_scheduler(policy_fields(policy))
     loop = Loop(s, random_tokens())
     hot = prompt_of(30, seed=1)
     cached(loop, [hot])
@@ -64,7 +72,7 @@ def test_a_hit_queued_behind_a_miss(policy):
 def test_lpm_longest_prefix_first_and_shortest_remaining_first():
     """Order only (no deferral): among the candidates of one step the shortest remaining
     prefill goes first, whatever the arrival order; equal remainders keep arrival order."""
-    s = policy_scheduler(SchedulePolicy("lpm", prefill_mix_ratio=0), chunked_prefill_size=512,
+    s = policy_scheduler(policy_fields("lpm", prefill_mix_ratio=0), chunked_prefill_size=512,
                          checkpoint_interval=8)
     loop = Loop(s, random_tokens())
     base = prompt_of(40, seed=3)
@@ -116,7 +124,7 @@ def test_lpm_hits_fill_the_budget_before_a_miss_gets_any():
     it."""
     hot = [prompt_of(10, seed=20 + i) for i in range(8)]
     for policy in POLICIES:
-        s = policy_scheduler(SchedulePolicy(policy, schedule_max_passes=1000),
+        s = policy_scheduler(policy_fields(policy, schedule_max_passes=1000),
                              chunked_prefill_size=64, max_total_tokens=1000)
         loop = Loop(s, random_tokens())
         cached(loop, hot)
@@ -139,7 +147,7 @@ def test_lpm_bounds_how_often_a_miss_is_passed(schedule_max_passes):
     under plain shortest-first; with the bound it runs once ``schedule_max_passes`` later
     arrivals have gone before it, and then first, ahead of that step's hits."""
     per_step = 2
-    s = policy_scheduler(SchedulePolicy("lpm", schedule_max_passes=schedule_max_passes),
+    s = policy_scheduler(policy_fields("lpm", schedule_max_passes=schedule_max_passes),
                          max_running_requests=4, num_checkpoint_slots=80, max_total_tokens=4000)
     loop = Loop(s, random_tokens())
     hot = [prompt_of(12, seed=100 + i) for i in range(30)]
@@ -209,25 +217,25 @@ def test_count_passes_counts_later_arrivals_served():
 
 
 def test_policy_order_puts_overdue_first_in_arrival_order():
-    p = SchedulePolicy("lpm", schedule_max_passes=2)
+    p = SchedulePolicy(SchedulingConfig(schedule_policy="lpm", schedule_max_passes=2))
     reqs = [Req(f"r{i}", [1] * (10 - i), None, 0, arrival=i) for i in range(4)]
     reqs[1].num_passed = reqs[0].num_passed = 2
     order = p.order([], reqs, lambda r: len(r.prompt))
     assert [r.rid for r in order] == ["r0", "r1", "r3", "r2"]
-    assert [r.rid for r in SchedulePolicy("fcfs").order(reqs[2:], reqs[:2], len)] == \
+    assert [r.rid for r in SchedulePolicy(SchedulingConfig(schedule_policy="fcfs")).order(
+        reqs[2:], reqs[:2], len)] == \
         ["r2", "r3", "r0", "r1"]
     assert p.defers(reqs[3], 17, 2) and not p.defers(reqs[3], 16, 2)
     assert not p.defers(reqs[0], 100, 1)  # overdue: never deferred
-    with pytest.raises(ValueError, match="schedule policy"):
-        SchedulePolicy("sjf")
+    with pytest.raises(ValueError, match="--schedule-policy must be one of fcfs, lpm, got 'sjf'"):
+        SchedulingConfig(schedule_policy="sjf")
 
 
 def test_flags_reach_the_scheduler_process():
     """dasc-serve's scheduling flags travel in the ServeConfig JSON the scheduler process
-    reads, and become its SchedulePolicy and eviction; left out, they are the policy's own
-    defaults."""
+    reads; left out, they are the scheduling config's own defaults."""
     from dasc_server.flags import parse_args, serve_config
-    from scheduler.__main__ import scheduler_config
+    from scheduler.__main__ import scheduler_args
     from scheduler.wire.rank_messages import RankInfo
     from scheduler.wire.serve_config import ServeConfig
 
@@ -235,14 +243,15 @@ def test_flags_reach_the_scheduler_process():
 
     def policy_of(*flags: str):
         sent = serve_config(parse_args(list(flags))).to_json()
-        cfg = scheduler_config(ServeConfig.from_json(sent), info)
-        return cfg.policy, cfg.checkpoint_eviction
+        cfg, _ = scheduler_args(ServeConfig.from_json(sent), info)
+        return (cfg.schedule_policy, cfg.schedule_max_passes, cfg.prefill_mix_ratio,
+                cfg.decode_interleave, cfg.decode_first, cfg.checkpoint_eviction)
 
-    policy, eviction = policy_of("--schedule-policy", "fcfs", "--schedule-max-passes", "5",
-                                 "--prefill-mix-ratio", "4", "--decode-interleave", "6",
-                                 "--decode-first", "cost", "--checkpoint-eviction", "lru")
-    assert policy == SchedulePolicy("fcfs", 5, 4.0, 6, "cost") and eviction == "lru"
-    assert policy_of() == (SchedulePolicy(), "reuse")
+    assert policy_of("--schedule-policy", "fcfs", "--schedule-max-passes", "5",
+                     "--prefill-mix-ratio", "4", "--decode-interleave", "6",
+                     "--decode-first", "cost", "--checkpoint-eviction", "lru") == \
+        ("fcfs", 5, 4.0, 6, "cost", "lru")
+    assert policy_of() == ("lpm", 32, 8.0, 0, "off", "reuse")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -251,7 +260,7 @@ def test_decode_interleave_bounds_prefill_steps_among_decodes(policy, interleave
     """While a request decodes, a step carries prefill only after ``interleave`` decode-only
     steps: a new prompt waits exactly that many steps (none once enough decode-only steps have
     run), its chunks come one step in interleave + 1, and both requests finish intact."""
-    s = policy_scheduler(SchedulePolicy(policy, decode_interleave=interleave),
+    s = policy_scheduler(policy_fields(policy, decode_interleave=interleave),
                          chunked_prefill_size=8)
     loop = Loop(s, random_tokens())
     assert loop.add("long", prompt_of(8, seed=6), 40) is None
@@ -276,11 +285,11 @@ def test_decode_interleave_bounds_prefill_steps_among_decodes(policy, interleave
 
 
 def test_decode_interleave_never_delays_prefill_without_decodes():
-    s = policy_scheduler(SchedulePolicy("fcfs", decode_interleave=5), chunked_prefill_size=8)
+    s = policy_scheduler(policy_fields("fcfs", decode_interleave=5), chunked_prefill_size=8)
     loop = Loop(s, random_tokens())
     assert loop.add("a", prompt_of(24, seed=8), 1) is None
     loop.run()
     # chunks of 8, back to back (the last snapshots the prompt-end checkpoint at 23)
     assert [[q.rid for q in p.seqs] for p in loop.plans if p.seqs] == [["a"]] * 3
-    with pytest.raises(ValueError, match="decode_interleave"):
-        SchedulePolicy("lpm", decode_interleave=-1)
+    with pytest.raises(ValueError, match="--decode-interleave must be >= 0"):
+        SchedulingConfig(decode_interleave=-1)

@@ -11,7 +11,8 @@ import pytest
 from fake_ranks import tree_ckpts
 from scheduler_helpers import Loop, assert_drained, make, random_tokens
 
-from scheduler.admission import CKPT_ADMISSIONS, MIN_BRANCH_GAIN
+from scheduler.admission import MIN_BRANCH_GAIN
+from scheduler.wire.serve_config import CheckpointAdmission
 
 SYSTEM = [1 + i % 61 for i in range(100)]  # off the interval grid (64)
 
@@ -32,7 +33,7 @@ def prefill_tokens(loop: Loop) -> int:
                if q.prefix_len < len(loop.reqs[q.rid].prompt))
 
 
-@pytest.mark.parametrize("admission", CKPT_ADMISSIONS)
+@pytest.mark.parametrize("admission", list(CheckpointAdmission))
 def test_sharers_that_arrive_together_hit_from_the_second_on(admission):
     loop = Loop(scheduler(checkpoint_admission=admission), random_tokens())
     prompts = users(4)

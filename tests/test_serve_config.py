@@ -20,8 +20,8 @@ from serving import KIMI, ipc_pair
 from dasc_server.engine_client import EngineClient
 from dasc_server.flags import build_parser, byte_size, parse_args, serve_config, validate
 from scheduler.__main__ import SchedulerProcess
+from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.wire import ipc
 from scheduler.wire.messages import (
     Counters,
@@ -35,7 +35,7 @@ from scheduler.wire.messages import (
     TokenOut,
 )
 from scheduler.wire.rank_messages import BatchPlan, RankInfo, StepResult
-from scheduler.wire.serve_config import LoadPolicy, Payload, ServeConfig
+from scheduler.wire.serve_config import LoadPolicy, Payload, SchedulingConfig, ServeConfig
 
 # the launcher's own flags: HTTP, torchrun, timeouts, the key; every other flag is config
 LAUNCHER_ONLY = {"--served-model-name", "--tp", "--host", "--port", "--startup-timeout",
@@ -168,9 +168,8 @@ def test_the_scheduler_sends_one_token_batch_per_step():
     end, naming every request that sampled in it, in plan order."""
     front_end, front = Pipe()
     rank_end, rank = Pipe()
-    sched = Scheduler(SchedulerConfig(max_total_tokens=400, max_running_requests=4,
-                                      num_checkpoint_slots=8, max_context_len=4096,
-                                      vocab_size=64))
+    sched = Scheduler(SchedulingConfig(max_total_tokens=400, max_running_requests=4),
+                      RankLimits(num_checkpoint_slots=8, max_context_len=4096, vocab_size=64))
     sampled_by_step: list[list[str]] = []
 
     def rank0() -> None:
@@ -292,5 +291,5 @@ def test_server_info_says_whether_finished_slots_are_parked(flags, parks):
 def test_one_second_tier_at_a_time():
     args = parse_args(["--cache-tier-dir", "/tmp/t", "--host-tier-bytes", "1G"])
     with pytest.raises(ValueError, match="one second tier at a time"):
-        validate(args)
+        serve_config(args)
     assert parse_args(["--host-tier-bytes", "1.5G"]).host_tier_bytes == 3 * 2**29

@@ -19,12 +19,11 @@ from typing import NamedTuple
 from client.cli_help import DefaultsHelpFormatter
 from loadgen.bench.report import markdown_table
 from loadgen.workload import Request, multi_turn, shared_prefix
-from scheduler.admission import CKPT_ADMISSIONS
-from scheduler.checkpoint_eviction import CKPT_EVICTIONS
+from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
-from scheduler.scheduler_config import SchedulerConfig
 from scheduler.wire.messages import SamplingParams
 from scheduler.wire.rank_messages import StepResult
+from scheduler.wire.serve_config import CheckpointAdmission, CheckpointEviction, SchedulingConfig
 
 VOCAB = 256
 
@@ -39,11 +38,11 @@ def simulate(requests: list[Request], slots: int, eviction: str, concurrency: in
              interval: int, cache_finished: bool, admission: str = "all",
              seed: int = 0) -> SimResult:
     kv_rows = 4 * sum(len(r.prompt) + r.max_tokens for r in requests)
-    s = Scheduler(SchedulerConfig(
-        max_total_tokens=kv_rows, max_running_requests=concurrency, num_checkpoint_slots=slots,
-        max_context_len=1 << 20, vocab_size=VOCAB, chunked_prefill_size=2048,
+    s = Scheduler(SchedulingConfig(
+        max_total_tokens=kv_rows, max_running_requests=concurrency, chunked_prefill_size=2048,
         checkpoint_interval=interval, cache_finished=cache_finished, checkpoint_eviction=eviction,
-        checkpoint_admission=admission, park_finished=False))  # the checkpoints alone
+        checkpoint_admission=admission, park_finished=False),  # the checkpoints alone
+        RankLimits(num_checkpoint_slots=slots, max_context_len=1 << 20, vocab_size=VOCAB))
     rng = random.Random(seed)
     todo, done, in_flight = list(range(len(requests))), set(), set()
     num_chunks = 0
@@ -110,22 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-group", type=int, default=8, help="prompts / turns of each")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens each request generates")
     p.add_argument("--seed", type=int, default=0, help="prompts and their order")
-    p.add_argument("--admission", nargs="+", choices=CKPT_ADMISSIONS,
-                   default=list(CKPT_ADMISSIONS),
+    p.add_argument("--admission", nargs="+", choices=list(CheckpointAdmission),
+                   default=list(CheckpointAdmission),
                    help="checkpoint admission policies to compare (--checkpoint-admission)")
     p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                    help="which workloads to run")
     p.add_argument("--prefix-len", type=int, default=512,
                    help="shared-prefix: tokens every prompt of a group shares")
     args = p.parse_args(argv)
-    header = ["workload", "slots", "admission", *[f"hit rate {e}" for e in CKPT_EVICTIONS],
-              *[f"stored / chunks {e}" for e in CKPT_EVICTIONS]]
+    header = ["workload", "slots", "admission", *[f"hit rate {e}" for e in CheckpointEviction],
+              *[f"stored / chunks {e}" for e in CheckpointEviction]]
     rows = []
     for name, (reqs, interval, finished) in workloads(args).items():
         for slots in args.slots:
             for admission in args.admission:
                 res = [simulate(reqs, slots, e, args.concurrency, interval, finished, admission)
-                       for e in CKPT_EVICTIONS]
+                       for e in CheckpointEviction]
                 rows.append([name, str(slots), admission, *[f"{x.hit_rate:.3f}" for x in res],
                              *[f"{x.num_stored} / {x.num_prefill_chunks}" for x in res]])
                 print(rows[-1], file=sys.stderr, flush=True)

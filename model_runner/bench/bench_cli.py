@@ -21,7 +21,7 @@ from pathlib import Path
 from client.cli_help import DefaultsHelpFormatter
 from model_runner.compression.placement import PLACEMENTS
 from model_runner.config import DEFAULT_MODEL
-from scheduler.policy import POLICIES
+from scheduler.wire.serve_config import SchedulePolicyName
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="requests a server runs at once")
     g.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="new tokens per step, decodes included")
-    g.add_argument("--schedule-policy", choices=POLICIES, default=None,
+    g.add_argument("--schedule-policy", choices=list(SchedulePolicyName), default=None,
                    help="fcfs or lpm (default: dasc-serve's default)")
     g.add_argument("--schedule-max-passes", type=int, default=None,
                    help="lpm's fairness bound (default: dasc-serve's default)")

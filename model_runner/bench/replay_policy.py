@@ -27,7 +27,7 @@ from loadgen.stream import make_client
 from loadgen.workload import Request, random_ids
 from model_runner.bench.arms import Arm, SlotPlanner
 from model_runner.config import DEFAULT_MODEL
-from scheduler.policy import POLICIES
+from scheduler.wire.serve_config import SchedulePolicyName
 
 
 def replay_workload(num_prompts: int, prompt_len: int, replays: int, vocab: int, seed: int
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="budget = this many physical dense slots per rank")
     p.add_argument("--wmax", type=float, nargs="+", default=[0.0, 128.0],
                    help="arms: 0 is dense, else dasc-nr hybrid at this W_max")
-    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+    p.add_argument("--policies", nargs="+", choices=list(SchedulePolicyName),
+                   default=list(SchedulePolicyName),
                    help="schedule policies, run back to back per arm")
     p.add_argument("--num-prompts", type=int, default=48, help="distinct prompts")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")

@@ -213,7 +213,7 @@ class ServerInfo:
                 and sched.park_finished,
                 "chunked_prefill_size": self.chunked_prefill_size, "w_max": ckpt.w_max,
                 "load_policy": str(ckpt.load_policy), "checkpoint_format": ckpt.format,
-                "arm": ckpt.arm, "cache_tier_dir": self.config.tier.directory}
+                "arm": ckpt.arm, "cache_tier_dir": self.config.tier.cache_tier_dir}
 
 
 MESSAGE_TYPES = (

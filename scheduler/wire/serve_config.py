@@ -3,8 +3,10 @@
 processes run from the same values and no list of flags is kept in step by hand.
 
 Only what crosses a process boundary is here; the launcher's own settings (HTTP, torchrun, the
-API key, timeouts) stay in the launcher.  No field has a default: the flags own the defaults,
-and a config is always built whole.  Standard library only, importing nothing of the project:
+API key, timeouts) stay in the launcher.  Every default lives on these dataclasses and the flags
+read it from them; each field has its flag's name (``--decode-interleave`` is
+``SchedulingConfig.decode_interleave``), every choice is an enum, configs are built by keyword
+and check their values when built.  Standard library only, importing nothing of the project:
 the front end, the torch-free scheduler and the ranks all import it, and ``ServerInfo``
 (``scheduler.wire.messages``) carries it back to the front end.
 """
@@ -97,16 +99,47 @@ class Fp32Weights(StrEnum):
     OFF = "off"
 
 
-@dataclass(frozen=True, slots=True)
+def _coerce(config: Any) -> None:
+    """A frozen config's enum fields from their values ("lpm" -> SchedulePolicyName.LPM);
+    raises ValueError naming the flag and the choices."""
+    for f in fields(config):
+        kind, value = _enum_of(f.type), getattr(config, f.name)
+        if kind is not None and not isinstance(value, kind):
+            try:
+                object.__setattr__(config, f.name, kind(value))
+            except ValueError:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be one of "
+                                 f"{', '.join(k.value for k in kind)}, got {value!r}") from None
+
+
+def _enum_of(annotation: Any) -> type[Enum] | None:
+    kind = globals().get(annotation) if isinstance(annotation, str) else annotation
+    return kind if isinstance(kind, type) and issubclass(kind, Enum) else None
+
+
+def _at_least(config: Any, low: int, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < low:
+            what = "at least 1" if low == 1 else f">= {low}"
+            raise ValueError(f"--{name.replace('_', '-')} must be {what} (got {value})")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointSpec:
     """What a checkpoint slot holds, and what a hit on it restores."""
 
-    w_max: float  # the selection plan's threshold; 0: dense checkpoints (exact)
-    selection: Selection
-    mask_seed: int  # of Selection.RANDOM
-    payload: Payload
-    placement: Placement
-    load_policy: LoadPolicy
+    w_max: float = 0.0  # the selection plan's threshold; 0: dense checkpoints (exact)
+    selection: Selection = Selection.DASC
+    mask_seed: int = 1234  # of Selection.RANDOM
+    payload: Payload = Payload.FP32
+    placement: Placement = Placement.OFF
+    load_policy: LoadPolicy = LoadPolicy.NR
+
+    def __post_init__(self):
+        _coerce(self)
+        if self.w_max < 0:
+            raise ValueError(f"--wmax must be >= 0 (got {self.w_max})")
 
     @property
     def format(self) -> str:
@@ -128,66 +161,106 @@ class CheckpointSpec:
         return f"{kind}@{self.w_max:g}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankConfig:
     """How every rank builds its runner and sizes its checkpoint pool."""
 
-    dtype: Dtype
-    device: Device
-    cpu_fp32_weights: Fp32Weights
-    cpu_packed_weights: bool
-    cuda_graph: bool  # on cuda: replay decode steps as CUDA graphs
-    cuda_graph_max_bs: int
-    cuda_graph_max_context: int
-    state_budget_bytes: int | None  # checkpoint slots from a per-rank byte budget, or
-    checkpoint_slots: int | None  # a count (neither: 64)
+    dtype: Dtype  # the flag's "auto" resolves per model and device (model_files.resolve_dtype)
+    device: Device = Device.CPU
+    cpu_fp32_weights: Fp32Weights = Fp32Weights.AUTO
+    cpu_packed_weights: bool = True
+    cuda_graph: bool = True  # on cuda: replay decode steps as CUDA graphs
+    cuda_graph_max_bs: int = 32
+    cuda_graph_max_context: int = 4096
+    state_budget_bytes: int | None = None  # checkpoint slots from a per-rank byte budget, or
+    checkpoint_slots: int | None = None  # a count (neither: DEFAULT_CHECKPOINT_SLOTS)
+
+    def __post_init__(self):
+        _coerce(self)
+        _at_least(self, 1, "cuda_graph_max_bs", "cuda_graph_max_context", "state_budget_bytes",
+                  "checkpoint_slots")
 
 
-@dataclass(frozen=True, slots=True)
+DEFAULT_CHECKPOINT_SLOTS = 64  # neither --checkpoint-slots nor --state-budget-bytes
+DEFAULT_CHUNKED_PREFILL = 2048  # --chunked-prefill-size without --step-target-ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulingConfig:
-    """The scheduler's policy; the ranks size their KV and state pools from the first two."""
+    """The scheduler's one config: its pools' sizes (the ranks size their KV and state pools
+    from the first two) and its policy.  The defaults were chosen by measurement
+    (docs/benchmarks.md, docs/results/serving.md)."""
 
-    max_total_tokens: int  # KV pool rows (page size 1)
-    max_running_requests: int  # requests decoded together (active state slots)
-    chunked_prefill_size: int | None  # new tokens per step; None: DEFAULT_CHUNKED_PREFILL
-    # (scheduler_config.py), or from step_target_ms
-    step_target_ms: float | None  # the ranks time a prefill at start-up; None: off
-    checkpoint_interval: int  # prompt tokens between stored checkpoints; 0: prompt end only
-    schedule_policy: SchedulePolicyName
-    schedule_max_passes: int
-    prefill_mix_ratio: float
-    decode_interleave: int
-    checkpoint_eviction: CheckpointEviction
-    checkpoint_admission: CheckpointAdmission
-    prefix_cache: bool
-    cache_finished: bool
-    park_finished: bool = True
-    decode_first: DecodeFirst = DecodeFirst.OFF
+    max_total_tokens: int = 65536  # KV pool rows (page size 1)
+    max_running_requests: int = 16  # requests decoded together (active state slots)
+    # new tokens per step, decodes included; None: DEFAULT_CHUNKED_PREFILL, or what
+    # step_target_ms derives from the ranks' measured prefill rate (scheduler.__main__)
+    chunked_prefill_size: int | None = None
+    step_target_ms: float | None = None  # the ranks time a prefill at start-up; None: off
+    checkpoint_interval: int = 256  # prompt tokens between stored checkpoints; 0: prompt end only
+    schedule_policy: SchedulePolicyName = SchedulePolicyName.LPM  # scheduler.policy
+    schedule_max_passes: int = 32  # lpm's fairness bound
+    prefill_mix_ratio: float = 8.0  # lpm: defer a chunk this many times the longest; 0: never
+    decode_interleave: int = 0  # decode-only steps before a step may carry prefill; 0: every one
+    decode_first: DecodeFirst = DecodeFirst.OFF  # COST: defer prefill by the step costs
+    checkpoint_eviction: CheckpointEviction = CheckpointEviction.REUSE
+    checkpoint_admission: CheckpointAdmission = CheckpointAdmission.BRANCH
+    prefix_cache: bool = True  # False: never match nor store
+    cache_finished: bool = True  # cache prompt + output when a request finishes
+    park_finished: bool = True  # a finished request's slot stays in the tree until needed
+
+    def __post_init__(self):
+        _coerce(self)
+        _at_least(self, 1, "max_total_tokens", "max_running_requests", "chunked_prefill_size",
+                  "step_target_ms")
+        _at_least(self, 0, "checkpoint_interval", "schedule_max_passes", "prefill_mix_ratio",
+                  "decode_interleave")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """New tokens per step: ``chunked_prefill_size``, or the default when unset."""
+        return self.chunked_prefill_size or DEFAULT_CHUNKED_PREFILL
+
+    @property
+    def scratch_slot_base(self) -> int:
+        """Active slots: 0 reserved, [1, 1 + R) requests, [1 + R, 1 + 2R) wr scratch."""
+        return 1 + self.max_running_requests
+
+    @property
+    def num_state_slots(self) -> int:
+        """The ranks' active state pool: slot 0 reserved, one per request, one wr scratch each."""
+        return 1 + 2 * self.max_running_requests
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheTierConfig:
     """The second cache tier behind the checkpoint pool (``scheduler/cache_tier.py``)."""
 
-    directory: str | None  # files here; None: no file tier
-    budget_bytes: int  # every rank's entry files together
-    eviction: TierEviction
-    host_bytes: int | None  # instead of files: host memory (pinned on CUDA), every rank's
+    cache_tier_dir: str | None = None  # files here; None: no file tier
+    cache_tier_bytes: int = 16 * 2**30  # every rank's entry files together
+    cache_tier_eviction: TierEviction = TierEviction.REUSE
+    host_tier_bytes: int | None = None  # instead of files: host memory (pinned on CUDA), all ranks
+
+    def __post_init__(self):
+        _coerce(self)
+        _at_least(self, 1, "cache_tier_bytes", "host_tier_bytes")
+        if self.cache_tier_dir is not None and self.host_tier_bytes is not None:
+            raise ValueError("--host-tier-bytes and --cache-tier-dir: one second tier at a time")
 
     @property
     def enabled(self) -> bool:
-        return self.directory is not None or self.host_bytes is not None
+        return self.cache_tier_dir is not None or self.host_tier_bytes is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
     """Everything the scheduler and the ranks run from, as ``dasc-serve`` parsed it."""
 
     model: str  # the model folder
     ranks: RankConfig
-    scheduling: SchedulingConfig
-    checkpoints: CheckpointSpec
-    tier: CacheTierConfig
+    scheduling: SchedulingConfig = SchedulingConfig()
+    checkpoints: CheckpointSpec = CheckpointSpec()
+    tier: CacheTierConfig = CacheTierConfig()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
