@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from scheduler.cache_tier import CacheTier
+from scheduler.cache_tier import CacheTier, TierEntry
 from scheduler.index_pool import IndexPool
 from scheduler.limits import RankLimits
 from scheduler.radix_cache import RadixCache
@@ -23,7 +23,7 @@ from scheduler.request_table import RequestTable
 from scheduler.result_processor import process_result
 from scheduler.step_planner import StepPlanner
 from scheduler.wire.messages import Counters, SamplingParams, TokenOut
-from scheduler.wire.rank_messages import BatchPlan, StepResult
+from scheduler.wire.rank_messages import BatchPlan, StepResult, TierMove
 from scheduler.wire.serve_config import SchedulingConfig
 
 
@@ -112,21 +112,18 @@ class Scheduler:
         return plan
 
     def process_result(self, result: StepResult) -> list[TokenOut]:
-        if self.planner.inflight:
-            self.planner.observe(result.compute_s)
+        inflight, fetches = self.planner.step_done(result.compute_s)
         if self.tier is not None:
-            self._tier_result(result)
-        outs = process_result(self.table, self.planner.inflight, result)
-        self.planner.inflight = []
-        return outs
+            self._tier_result(result, fetches)
+        return process_result(self.table, inflight, result)
 
-    def _tier_result(self, result: StepResult) -> None:
+    def _tier_result(self, result: StepResult,
+                     fetches: list[tuple[TierMove, TierEntry]]) -> None:
         """Confirm the tier's writes; put each fetched prefix into the radix tree with its
         checkpoint (its request, still waiting, is admitted next step as a hit there)."""
         tier, cache = self.tier, self.cache
         tier.written(result.tier_written, result.tier_write_failed)
         failed = set(result.tier_fetch_failed)
-        fetches, self.planner.fetches = self.planner.fetches, []
         for move, entry in fetches:
             ok = entry.id not in failed
             tier.fetched(entry, ok, result.tier_fetch_s / len(fetches))
@@ -145,5 +142,5 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every row and slot is free, cached in one node, owned by one running request or
         by a second-tier fetch in flight."""
-        moves = [move for move, _ in self.planner.fetches]
+        moves = self.planner.fetch_moves
         self.table.check_integrity([x for m in moves for x in m.rows], [m.slot for m in moves])

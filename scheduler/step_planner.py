@@ -74,7 +74,7 @@ class StepPlanner:
     def __init__(self, table: RequestTable):
         self.cfg, self.limits, self.table = table.cfg, table.limits, table
         self.policy = SchedulePolicy(table.cfg)
-        self.inflight: list[InFlight] = []
+        self._inflight: list[InFlight] = []  # the plan in flight's sequences, in plan order
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
         self._cut_room = 0  # cuts inside a prompt left to this step: the first prefill's
@@ -84,7 +84,7 @@ class StepPlanner:
         self._remaining: dict[str, int] = {}  # this step's _remaining_prefill, by rid
         self._followers: set[str] = set()  # this step's waiting followers, by rid
         self._share_points: dict[str, set[int]] = {}  # a leader's points its followers need
-        self.fetches: list[tuple[TierMove, TierEntry]] = []  # the plan in flight's tier fetches
+        self._fetches: list[tuple[TierMove, TierEntry]] = []  # its second-tier fetches
 
     def schedule(self) -> BatchPlan | None:
         """The next step; None when there is nothing to run.  An admission that fails after
@@ -101,7 +101,7 @@ class StepPlanner:
         # the stores stay listed in the table until the plan is whole: their slots do not
         # hold the states yet, so an eviction while planning must not spill them
         plan = BatchPlan(self.next_step_id(), stores_before=list(table.stores_before))
-        self.inflight = []
+        self._inflight = []
         self._remaining = {}
         self._find_followers()
         self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1)
@@ -116,11 +116,11 @@ class StepPlanner:
                 and not self._decodes_first(decoding, budget)):
             ckpt_locked = self._add_prefills(plan, budget)
             self._settle_first_cuts(plan)
-        self._prefill_tokens = sum(f.num_tokens for f in self.inflight if f.req.is_prefilling)
+        self._prefill_tokens = sum(f.num_tokens for f in self._inflight if f.req.is_prefilling)
         has_prefill = self._prefill_tokens > 0
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
         # stores are planned after every match, so they never feed this step's loads
-        for f in self.inflight:
+        for f in self._inflight:
             r = f.req
             if not r.is_prefilling:
                 continue
@@ -135,9 +135,21 @@ class StepPlanner:
         plan.release, plan.tables = table.take_table_changes()
         return plan
 
-    def observe(self, compute_s: float) -> None:
-        """The ranks' time for the step in flight (``StepResult.compute_s``)."""
-        self.costs.observe(len(self.inflight), self._prefill_tokens, compute_s)
+    def step_done(self, compute_s: float
+                  ) -> tuple[list[InFlight], list[tuple[TierMove, TierEntry]]]:
+        """The plan in flight's sequences and tier fetches, handed over once its result is
+        back (the planner keeps neither); ``compute_s``, the ranks' time for it, feeds the
+        step costs."""
+        if self._inflight:
+            self.costs.observe(len(self._inflight), self._prefill_tokens, compute_s)
+        done = self._inflight, self._fetches
+        self._inflight, self._fetches = [], []
+        return done
+
+    @property
+    def fetch_moves(self) -> list[TierMove]:
+        """The plan in flight's second-tier fetches (their rows and slots are taken)."""
+        return [move for move, _ in self._fetches]
 
     def _decodes_first(self, decoding: list[Req], budget: int) -> bool:
         """``--decode-first cost``: whether this step leaves its prefill out, by the step
@@ -262,7 +274,7 @@ class StepPlanner:
         if entry is None or len(entry.tokens) < cache.match_len(r.prompt, max_len) + \
                 MIN_BRANCH_GAIN:
             return False
-        if any(e is entry for _, e in self.fetches):
+        if any(e is entry for _, e in self._fetches):
             return True
         tier.start_fetch(entry)  # not evicted by the spills these allocations may cause
         rows = cache.alloc_rows(len(entry.tokens))
@@ -274,7 +286,7 @@ class StepPlanner:
             return False
         move = TierMove(entry.id, slot, rows)
         plan.fetches.append(move)
-        self.fetches.append((move, entry))
+        self._fetches.append((move, entry))
         return True
 
     def _admit(self, r: Req, plan: BatchPlan, ckpt_locked: list[Node]) -> bool:
@@ -362,7 +374,7 @@ class StepPlanner:
         and end its chunk at the first cut left without one."""
         if self._first is None:
             return
-        i, f = self._first, self.inflight[self._first]
+        i, f = self._first, self._inflight[self._first]
         r, own = f.req, self._scratch_slot(f.req)
         used = {slot for q in plan.seqs if q is not f.step for _, slot in q.snapshots}
         used.update(plan.refresh_scratch)
@@ -371,10 +383,10 @@ class StepPlanner:
         if len(cuts) <= len(slots):
             f.step.snapshots = list(zip(cuts, slots))
             return
-        del plan.seqs[i], self.inflight[i]  # rebuilt shorter, in its place
+        del plan.seqs[i], self._inflight[i]  # rebuilt shorter, in its place
         self._add_seq(plan, r, r.computed + cuts[len(slots)], list(zip(cuts, slots)))
         plan.seqs.insert(i, plan.seqs.pop())
-        self.inflight.insert(i, self.inflight.pop())
+        self._inflight.insert(i, self._inflight.pop())
 
     def _add_seq(self, plan: BatchPlan, r: Req, end: int,
                  snapshots: list[tuple[int, int]] | None = None) -> None:
@@ -391,7 +403,7 @@ class StepPlanner:
             step.logprob_targets = r.prompt[r.computed + 1 : min(end + 1, len(r.prompt))]
             step.num_top_targets = r.sampling.top_logprobs
         plan.seqs.append(step)
-        self.inflight.append(InFlight(r, end - r.computed, sample is not None,
+        self._inflight.append(InFlight(r, end - r.computed, sample is not None,
                                       bool(step.logprob_targets), step))
 
     def _controls(self, r: Req) -> LogitControls:
