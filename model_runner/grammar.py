@@ -1,7 +1,7 @@
 """Structured output on rank 0: an llguidance matcher per request, and its token mask.
 
 The front end turns ``response_format`` (and forced tool calls) into an llguidance grammar
-(``dasc_server.structured``); the grammar travels once, in the request's ``LogitControls``.
+(``dasc_server.requests``); the grammar travels once, in the request's ``LogitControls``.
 Rank 0 builds an ``LLMatcher`` over the model's own tokenizer, asks it before every sample which
 tokens may follow, and feeds it the token sampled.  A row's mask comes from its own matcher
 only, so structured output keeps the sampler batch-invariant.

@@ -9,8 +9,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from dasc_server.chat import chat_prompt_ids, render_chat, render_fallback
-from dasc_server.chat_request import ChatMessage
-from dasc_server.request_errors import RequestError
+from dasc_server.requests import ChatMessage, RequestError
 from model_runner.byte_tokenizer import encode_bytes
 
 

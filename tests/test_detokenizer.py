@@ -1,4 +1,4 @@
-"""The front end's incremental detokeniser (dasc_server/detokenizer.py): whole UTF-8 characters
+"""The front end's incremental detokeniser (dasc_server/tokenizer.py): whole UTF-8 characters
 only, no special tokens, prompt context, and stop strings cut exactly (also property-tested).
 The byte tokenizer of the tiny models makes ids predictable: id == UTF-8 byte, 258 = <eos>."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from dasc_server.detokenizer import IncrementalDetokenizer
+from dasc_server.tokenizer import IncrementalDetokenizer
 from model_runner.byte_tokenizer import BOS_ID, EOS_ID, PAD_ID, encode_bytes
 
 

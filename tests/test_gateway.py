@@ -37,5 +37,5 @@ def test_cache_aware_routing_beats_round_robin():
     assert rates["round_robin"]["prompt_tokens_per_replica"][1] > 0
     assert rates["cache_aware"]["hit_rate"] > rates["round_robin"]["hit_rate"] > 0, rates
     # (uvicorn may log "Invalid HTTP request received" for the gateway's HTTP/2 gRPC probes:
-    # the gateway's side, see dasc_server/sglang_routes.py)
+    # the gateway's side, see dasc_server/app.py)
     assert "Traceback" not in logs

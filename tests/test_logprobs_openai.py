@@ -10,7 +10,7 @@ import pytest
 from logprob_helpers import joined_logprobs, text_of
 from serving import KIMI, running_server
 
-from dasc_server.detokenizer import TextOffsets
+from dasc_server.tokenizer import TextOffsets
 
 MODEL_NAME = KIMI.name
 PROMPT = "The grass is green. The sky is"

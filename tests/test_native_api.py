@@ -1,4 +1,4 @@
-"""SGLang's native worker routes (``dasc_server.sglang_routes``) on a real dasc-serve, over httpx:
+"""SGLang's native worker routes (``dasc_server.app``) on a real dasc-serve, over httpx:
 the metadata the SGLang model gateway reads, ``/health_generate``, and ``/generate`` in
 SGLang's request/response shape, JSON and SSE, agreeing with ``/v1/completions``."""
 

@@ -1,4 +1,4 @@
-"""``<think>`` split from chat answers (dasc_server/reasoning.py), without a server: the start
+"""``<think>`` split from chat answers (dasc_server/chat.py), without a server: the start
 read from the rendered prompt, any split of the text giving the same reasoning and content, tag
 prefixes held until decided, and the template check."""
 
@@ -10,7 +10,7 @@ import pytest
 from serving import KIMI
 from transformers import AutoTokenizer
 
-from dasc_server.reasoning import (
+from dasc_server.chat import (
     ReasoningStream,
     has_reasoning_format,
     prompt_opens_reasoning,

@@ -1,5 +1,5 @@
 """The OpenAI-compatible request models (dasc_server/*_request.py) and the checks that need the
-server's state (dasc_server/request_checks.py): defaults, refusals and their error bodies,
+server's state (dasc_server/requests.py): defaults, refusals and their error bodies,
 prompt batches, ``n`` and the unsupported fields."""
 
 from __future__ import annotations
@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from dasc_server.chat_request import ChatCompletionRequest
-from dasc_server.completion_request import CompletionRequest
-from dasc_server.request_checks import check_model, check_prompt
-from dasc_server.request_errors import RequestError, validation_error_body
+from dasc_server.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    check_model,
+    check_prompt,
+    validation_error_body,
+)
 
 # ---- request models ---------------------------------------------------------------------------
 

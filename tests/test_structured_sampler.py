@@ -11,7 +11,7 @@ import pytest
 import torch
 from serving import KIMI
 
-from dasc_server.structured import json_schema_grammar, response_format_grammar
+from dasc_server.requests import json_schema_grammar, response_format_grammar
 from model_runner.byte_tokenizer import EOS_ID, MODEL_VOCAB_SIZE, NUM_BYTES
 from model_runner.grammar import TokenizerCache
 from model_runner.sampling import LogitControlTable, sample_tokens

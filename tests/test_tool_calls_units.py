@@ -1,4 +1,4 @@
-"""Tool calls in the front end (dasc_server/tool_calls.py), without a server: hermes-style and
+"""Tool calls in the front end (dasc_server/chat.py), without a server: hermes-style and
 XML-style (Qwen3.5) calls split from text delta by delta (any split of the text gives the same
 content and calls), malformed calls kept as content, the tool_choice rules and the grammars
 that force calls."""
@@ -14,9 +14,7 @@ import pytest
 from serving import KIMI
 from transformers import AutoTokenizer
 
-from dasc_server.chat_request import ChatCompletionRequest
-from dasc_server.request_errors import RequestError
-from dasc_server.tool_calls import (
+from dasc_server.chat import (
     ToolCallStream,
     ToolPlan,
     calls_grammar,
@@ -26,6 +24,7 @@ from dasc_server.tool_calls import (
     tool_plan,
     xml_calls_grammar,
 )
+from dasc_server.requests import ChatCompletionRequest, RequestError
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
 TEXT = f'Let me look. {CALL}\n{CALL.replace("1", "2")}\nbye <tool_ <tool_call>{{broken</tool_call>'

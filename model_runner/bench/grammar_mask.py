@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dasc_server.structured import json_schema_grammar
+from dasc_server.requests import json_schema_grammar
 from model_runner.grammar import TokenizerCache
 from model_runner.sampling import LogitControlTable, sample_tokens
 from scheduler.wire.rank_messages import LogitControls, Sample
