@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_imports import import_references_then_fla
-from serving import Server, running_server
+from support.paths import ROOT, TESTS
+from support.reference_imports import import_references_then_fla
+from support.serving import Server, running_server
 from xdist.scheduler import LoadFileScheduling
 
 if torch.cuda.is_available():
@@ -42,8 +43,6 @@ else:
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
 
 
 def run_torchrun(nproc: int, script: Path, *args: str, timeout: float = 600.0

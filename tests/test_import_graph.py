@@ -119,7 +119,7 @@ def imported_test_modules(tests: Path) -> dict[str, list[str]]:
     """test module of `tests` -> the test modules it imports (``import test_x``, ``from test_x
     import ...``, ``from tests.test_x import ...``, ``from tests import test_x``, relative)."""
     found = {}
-    for path in sorted(tests.glob("test_*.py")):
+    for path in sorted(tests.rglob("test_*.py")):
         parts = [name.split(".") for name in imported_names(path, "tests")]
         modules = {p[1] if p[0] == "tests" and len(p) > 1 else p[0] for p in parts}
         if imported := sorted(m for m in modules if m.startswith("test_")):
@@ -128,8 +128,8 @@ def imported_test_modules(tests: Path) -> dict[str, list[str]]:
 
 
 def test_no_test_module_imports_another():
-    """What several test modules share lives in a helper module under tests/ named for what it
-    holds (`serving`, `http_helpers`, `serving_reference`, `runner_scenarios`, ...): a test
+    """What several test modules share lives in a helper module of tests/support/ named for
+    what it holds (`serving`, `http_helpers`, `serving_reference`, `runner_scenarios`, ...): a test
     module imported as a library runs its module-level setup in the importer, and a reader
     looking for a helper would have to guess which test needed it first."""
     assert imported_test_modules(ROOT / "tests") == {}

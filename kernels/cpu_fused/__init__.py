@@ -10,7 +10,7 @@
   ``RMSNorm`` is the torch form).
 
 Their sums and exponentials run in another order than torch's, so they agree with the torch
-forms to the last bit of the model dtype, not bit for bit (tests/test_cpu_fused_native.py).
+forms to the last bit of the model dtype, not bit for bit (tests/kernels/test_cpu_fused_native.py).
 Each returns None where it does not run (no C compiler, ``DASC_NATIVE_KERNELS=0``, a CPU
 without AVX-512 or rows not a multiple of 16 wide, tensors not on the CPU or not in the dtypes
 and layouts it reads, autograd), and the caller takes torch.

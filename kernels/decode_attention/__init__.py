@@ -2,8 +2,8 @@
 per sequence over its KV rows where they lie in the pool, no gathered copy
 (``model_runner/layers/attention.py``'s ``_decode_each`` is the torch form).  Its dot
 products, exponential and softmax sum run in another order than torch's, so it agrees with the
-torch form to the last bit of the model dtype (tests/test_cpu_attention_native.py); its AVX-512
-and portable forms give the same bits.  Returns None where it does not run (no C compiler,
+torch form to the last bit of the model dtype (tests/kernels/test_cpu_attention_native.py); its
+AVX-512 and portable forms give the same bits.  Returns None where it does not run (no C compiler,
 ``DASC_NATIVE_KERNELS=0``, a CPU without AVX-512, other dtypes or layouts, autograd).
 """
 

@@ -2,7 +2,7 @@
 step's few tokens, routed and shared, each used expert's weights streamed once from their
 input-major storage (``model_runner/layers/mlp.py``'s ``SparseMoE`` forms are the torch forms).
 Each product sums its input rows in order, so it agrees with oneDNN's GEMMs to the last bit of
-the model dtype (tests/test_cpu_moe_native.py); its AVX-512 and portable forms give the same
+the model dtype (tests/kernels/test_cpu_moe_native.py); its AVX-512 and portable forms give the same
 bits.  Returns None where it does not run (no C compiler, ``DASC_NATIVE_KERNELS=0``, a CPU
 without AVX-512, more tokens than ``MOE_DECODE_MAX_TOKENS``, other dtypes or layouts,
 autograd).

@@ -17,10 +17,10 @@ model's dtype: a bf16 model runs fla's bf16 chunk and fused recurrent kernels, w
 accumulation, log-space fp32 g and an fp32 state).  fla keeps its chunk intermediates
 (per-chunk states, WY factors, attention blocks) and the output in the operand dtype; the result
 is within two bf16 ulps of the CPU path on the same bf16-rounded operands under the Triton
-interpreter, and tests/test_cuda_bf16_operands.py checks that on a GPU (not yet run on one).
-The chunk kernels once seemed to return ~1e9 for bf16: that was the interpreter, which
-multiplies bf16 bit patterns in `tl.dot` (tests/fla_interpreted.py).  The CPU path computes in
-fp32 whatever the model's dtype.
+interpreter, and tests/model_runner/test_cuda_bf16_operands.py checks that on a GPU (not yet run
+on one).  Under the interpreter the chunk kernels return ~1e9 for bf16: it multiplies bf16 bit
+patterns in `tl.dot` (tests/support/fla_interpreted.py).  The CPU path computes in fp32 whatever
+the model's dtype.
 """
 
 from __future__ import annotations

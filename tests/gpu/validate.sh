@@ -31,9 +31,9 @@ if not torch.cuda.is_available():
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
 PY
 status=0
-TRITON_F32_DEFAULT=ieee timeout -s INT -k 30 1200 python -m pytest -q -rfEs tests/test_cuda_path.py tests/test_decode_graphs.py \
-    tests/test_kernels_ragged.py tests/test_kernels_int8.py tests/test_cuda_serving.py \
-    tests/test_cuda_bf16_operands.py 2>&1 | tee "$out/tests.txt" | tail -n 25 || status=1
+TRITON_F32_DEFAULT=ieee timeout -s INT -k 30 1200 python -m pytest -q -rfEs tests/model_runner/test_cuda_path.py tests/model_runner/test_decode_graphs.py \
+    tests/kernels/test_kernels_ragged.py tests/kernels/test_kernels_int8.py tests/dasc_server/test_cuda_serving.py \
+    tests/model_runner/test_cuda_bf16_operands.py 2>&1 | tee "$out/tests.txt" | tail -n 25 || status=1
 timeout 240 python -m model_runner.bench.checkpoint_speed --device cuda --repeats 20 > "$out/checkpoint.txt" 2>&1 || status=1
 for graph in "" --cuda-graph; do
     timeout 450 python -m model_runner.bench.runner_speed --device cuda --dtype bfloat16 --prompt-len 2048 \

@@ -1,0 +1,114 @@
+"""The experts of a decode step in C (``kernels.moe_decode.moe_decode``) against the torch
+routed form (``SparseMoE._routed_experts``):
+- bf16: at most one bf16 unit in the last place from the routed form, on under 1 % of the
+  values (each product sums its input rows in order, oneDNN's GEMMs in another);
+- FP32: equal to rounding;
+- AVX-512 and portable forms give the same bits;
+- a bf16 CPU layer takes it for a few tokens and not for a prefill chunk; expert ids outside
+  the layer raise; what it cannot run it declines (None).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.bf16_checks import assert_bf16_close
+from support.moe_layers import moe, run
+
+from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode, native_library, simd_available
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
+
+
+def _inputs(layer, tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, layer.cfg.hidden_size, generator=gen).to(layer.w13.dtype)
+    weights, ids = layer.route(x)
+    return x, weights, ids
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, MOE_DECODE_MAX_TOKENS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@torch.inference_mode()
+def test_matches_the_routed_form(dtype, tokens):
+    layer = moe("gdn", 8, 2).to(dtype)
+    x, weights, ids = _inputs(layer, tokens)
+    got = moe_decode(x, ids, weights, layer.w13, layer.w2, simd=simd_available())
+    want = run(layer, "routed", x)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        return
+    assert_bf16_close(got, want)
+
+
+@pytest.mark.skipif(not simd_available(), reason="no AVX-512 here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@torch.inference_mode()
+def test_simd_and_portable_forms_give_the_same_bits(dtype):
+    layer = moe("gdn", 8, 2).to(dtype)
+    x, weights, ids = _inputs(layer, 3, seed=1)
+    assert torch.equal(moe_decode(x, ids, weights, layer.w13, layer.w2),
+                       moe_decode(x, ids, weights, layer.w13, layer.w2, simd=False))
+
+
+@torch.inference_mode()
+def test_a_bf16_layer_takes_it_for_a_few_tokens(monkeypatch):
+    """The layer's forward: a decode step's few tokens go through the kernel (the torch forms
+    are never called), a prefill chunk through the torch forms; both equal the routed form
+    to the tolerance above."""
+    layer = moe("gdn", 8, 2).to(torch.bfloat16)
+    few, _, _ = _inputs(layer, 4)
+    want = layer.shared_expert(few)
+    want = torch.sigmoid(layer.shared_expert_gate(few)) * want + run(layer, "routed", few)
+    taken = []
+    real = layer._experts
+    monkeypatch.setattr(layer, "_experts", lambda *a: (taken.append(len(a[0])), real(*a))[1])
+    got = layer(few)
+    assert taken == [] and got.dtype == torch.bfloat16
+    assert_bf16_close(got, want)
+    many, _, _ = _inputs(layer, MOE_DECODE_MAX_TOKENS + 1)
+    layer(many)
+    assert taken == [MOE_DECODE_MAX_TOKENS + 1]
+
+
+@torch.inference_mode()
+def test_expert_ids_outside_the_layer_raise():
+    layer = moe("gdn", 8, 2)
+    x, weights, ids = _inputs(layer, 2)
+    ids = ids.clone()
+    ids[1, 0] = 8
+    with pytest.raises(IndexError, match="expert ids"):
+        moe_decode(x, ids, weights, layer.w13, layer.w2)
+
+
+@torch.inference_mode()
+def test_declines_what_it_does_not_run():
+    layer = moe("gdn", 8, 2)
+    x, weights, ids = _inputs(layer, 2)
+    assert moe_decode(x.bfloat16(), ids, weights, layer.w13, layer.w2) is None  # dtypes differ
+    many, many_w, many_ids = _inputs(layer, MOE_DECODE_MAX_TOKENS + 1)
+    assert moe_decode(many, many_ids, many_w, layer.w13, layer.w2) is None
+    assert moe_decode(x, ids.int(), weights, layer.w13, layer.w2) is None
+    assert moe_decode(x, ids, weights, layer.w13.transpose(1, 2), layer.w2) is None
+    with torch.enable_grad():
+        assert moe_decode(x, ids, weights, layer.w13, layer.w2) is None
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["qwen-gate", "no-gate"])
+@torch.inference_mode()
+def test_the_shared_expert_is_added_last(gated):
+    """The shared expert (stored input-major by ``DenseMLP.input_major``) goes in after the
+    routed experts with its gate's weight (1 without a gate): ``round(routed + shared)``, as
+    ``SparseMoE.forward`` adds them; the AVX-512 and portable forms agree bit for bit."""
+    layer = moe("gdn", 8, 2).to(torch.bfloat16)
+    x, weights, ids = _inputs(layer, 3, seed=2)
+    gate = torch.sigmoid(layer.shared_expert_gate(x)) if gated else None
+    shared = (*layer.shared_expert.input_major(), gate)
+    got = moe_decode(x, ids, weights, layer.w13, layer.w2, shared, simd=simd_available())
+    dense = layer.shared_expert(x)
+    want = run(layer, "routed", x) + (gate * dense if gated else dense)
+    assert_bf16_close(got, want)
+    if simd_available():
+        assert torch.equal(got, moe_decode(x, ids, weights, layer.w13, layer.w2, shared,
+                                           simd=False))

@@ -1,0 +1,109 @@
+"""Store points inside a prefill chunk (scheduler/step_planner.py): the chunk of a prompt that
+prefills alone runs through them, snapshotting the state at each into a scratch slot, unless it
+runs out of scratch slots or of free checkpoint slots, and then it ends at the first point it
+cannot cut; prompts that prefill together advance point by point.  Every plan runs on
+the FakeRanks of tests/support/fake_ranks.py, which checks each stored state against its prefix."""
+
+from __future__ import annotations
+
+from support.scheduler_helpers import Loop, assert_drained, make, prompt_of, random_tokens, run_one
+
+
+def test_a_chunk_runs_through_its_interior_store_points():
+    """--checkpoint-interval 8 and a budget that holds the whole prompt: one step computes it,
+    cuts it at 8, 16, 24 and 29 (the end minus one), samples the first token and stores all
+    four checkpoints from four distinct scratch slots (the stand-in ranks check each stored
+    state against its prefix)."""
+    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    prompt = prompt_of(30)
+    plan = run_one(loop, "a", prompt, 1)
+    assert len([p for p in loop.plans if p.seqs]) == 1
+    (q,) = plan.seqs
+    assert len(q.token_ids) == 30 and q.sample is not None
+    assert [c for c, _ in q.snapshots] == [8, 16, 24, 29]
+    slots = [x for _, x in q.snapshots]
+    assert len(set(slots)) == 4 and min(slots) >= s.cfg.scratch_slot_base
+    assert sorted(a for a, _ in plan.stores_after) == sorted(slots)
+    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 29))
+    assert s.stats.checkpoints_stored == 4
+    assert_drained(s)
+
+
+def test_a_chunk_ends_at_the_first_cut_without_a_scratch_slot():
+    """Two active slots give two scratch slots: of a prompt's five store points (8, 16, 24,
+    32, 40) the first chunk cuts two (its own scratch slot, then the idle one it borrows) and
+    ends at the third, which it stores from its active slot; the next chunk runs through the
+    other two to the end."""
+    s = make(max_running_requests=2, chunked_prefill_size=64, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    prompt = prompt_of(41)
+    run_one(loop, "a", prompt, 1)
+    first, second = [p for p in loop.plans if p.seqs]
+    (q,) = first.seqs
+    assert (q.prefix_len, len(q.token_ids), q.sample) == (0, 24, None)
+    assert [c for c, _ in q.snapshots] == [8, 16]
+    assert q.state_slot in [a for a, _ in first.stores_after]
+    (q,) = second.seqs
+    assert (q.prefix_len, len(q.token_ids)) == (24, 17) and q.sample is not None
+    assert [c for c, _ in q.snapshots] == [8, 16]
+    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 32, 40))
+    assert_drained(s)
+
+
+def test_cuts_inside_a_prompt_take_only_free_checkpoint_slots():
+    """Three checkpoint slots: the first chunk keeps one for its end store and cuts at the two
+    store points the other two free slots cover (8, 16), then ends at the third (24).  With the
+    pool full, the next chunk ends at the next point (32) rather than evict for a cut, and the
+    last runs to the end; its prompt-end store may evict, as before."""
+    s = make(num_checkpoint_slots=3, chunked_prefill_size=64, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    run_one(loop, "a", prompt_of(41), 1)
+    chunks = [q for p in loop.plans for q in p.seqs]
+    assert [(q.prefix_len, len(q.token_ids)) for q in chunks] == [(0, 24), (24, 8), (32, 9)]
+    assert [[c for c, _ in q.snapshots] for q in chunks] == [[8, 16], [], [8]]
+    assert chunks[-1].sample is not None
+    assert s.cache.num_cached_ckpts == 3
+    assert_drained(s)
+
+
+def _chunks(loop: Loop) -> list[list[tuple[str, int, int, list[int]]]]:
+    """Each step's sequences: (request, start, tokens, cuts)."""
+    return [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
+             for q in p.seqs] for p in loop.plans if p.seqs]
+
+
+def test_the_first_prefill_runs_through_its_points_the_others_advance_point_by_point():
+    """Two 30-token prompts at once with room in the pool: the first in the policy's order runs
+    through its store points (8, 16, 24) and the end minus one (29) in one step, on scratch
+    slots nobody else uses in that step; the other's chunk ends at its next point, then it runs
+    through the rest."""
+    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
+    assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
+    loop.run()
+    steps = _chunks(loop)
+    assert steps == [[("a", 0, 30, [8, 16, 24, 29]), ("b", 0, 8, [])],
+                     [("b", 8, 22, [8, 16, 21])]]
+    assert all(s.cache.ckpt_at(p[:end]) is not None for p in (a, b) for end in (8, 16, 24, 29))
+    assert_drained(s)
+
+
+def test_under_pressure_prompts_that_prefill_together_advance_point_by_point():
+    """With no checkpoint slot to spare for a cut (a pool of one), each chunk ends at the next
+    store point (8, 16, 24), both prompts in every step, and a full pool evicts for one store
+    at a time; in the last step the one slot goes to the first prompt's cut at the end minus
+    one (29), and the other's cut is dropped."""
+    s = make(chunked_prefill_size=64, num_checkpoint_slots=1, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
+    assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
+    loop.run()
+    steps = _chunks(loop)
+    assert steps == [[(r, start, 8, []) for r in "ab"] for start in (0, 8, 16)] + [
+        [("a", 24, 6, [5]), ("b", 24, 6, [])]]
+    assert_drained(s)
