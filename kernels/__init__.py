@@ -10,12 +10,17 @@ beside every fast path (as fla).
     int8_quant/    symmetric per-row INT8 quantisation
         naive.py      torch reference
         triton.py     Triton kernels (CUDA)
-    cpu_decode/    one-token updates in the state slots (CPU decode): the delta rule, one pass
-        native.c      per state (AVX-512 for 128-wide values), and the short conv; the torch
-                      forms in model_runner/ops/ are the references and fallbacks
-    delta_rule/    the gated delta rule's compiled forms
+    delta_rule/    the gated delta rule
+        naive.py      torch forms and references: the recurrence, the chunked form over packed
+                      sequences
+        decode.py     torch decode in the state slots (C where it is built)
         cpu_chunk.c   CPU prefill (GDN): chunk by chunk by forward substitution, each state
-                      in its slot; model_runner/ops/delta_rule.py is the torch form
+                      in its slot
+        cpu_decode.c  CPU decode: one pass over each state in its slot (AVX-512 for 128-wide
+                      values)
+    short_conv/    the short causal convolution
+        naive.py      torch forms: prefill over packed sequences, decode in the state slots
+        cpu.c         CPU window sums for decode (state shifted in place) and prefill
     cpu_fused/     norm and activation passes in one pass each (CPU): the GDN gated output
         fused.c       norm, q/k L2 norms with v's conversion, a dense MLP's silu(gate) * up,
                       the RMS norms
@@ -23,8 +28,8 @@ beside every fast path (as fla).
         attention.c   model_runner/layers/attention.py's _decode_each is the torch form
     moe_decode/    a decode step's experts, each used expert's weights streamed once (CPU);
         experts.c     model_runner/layers/mlp.py's SparseMoE forms are the torch forms
-    cpu_simd.h     the helpers cpu_decode's and those three C files share (bf16 roundings,
-                   exp, AVX-512 forms)
+    derived.py     weights derived once from a parameter (cast, packed, transposed), cached
+    cpu_simd.h     the helpers the C files share (bf16 roundings, exp, AVX-512 forms)
     native_build.py compiles and loads the C libraries on first use (ctypes)
     interpreted.py runs the Triton kernels on CPU under the Triton interpreter (tests)
 """

@@ -1,7 +1,7 @@
 """Compile-on-first-use C libraries for the CPU paths (``ragged_state/native.c``,
-``cpu_decode/native.c``, ``delta_rule/cpu_chunk.c``, ``cpu_fused/fused.c``,
-``decode_attention/attention.c``, ``moe_decode/experts.c``; all but the first two share
-``cpu_simd.h``), loaded through ctypes.
+``delta_rule/cpu_chunk.c``, ``delta_rule/cpu_decode.c``, ``short_conv/cpu.c``,
+``cpu_fused/fused.c``, ``decode_attention/attention.c``, ``moe_decode/experts.c``; all but the
+first two share ``cpu_simd.h``), loaded through ctypes.
 
 A library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`; well under a second)
 into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory when that is
@@ -132,3 +132,13 @@ def load_library(source: Path, name: str, signatures: dict[str, tuple], what: st
         fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = argtypes, (returns or {}).get(fn_name)
     return lib
+
+
+def check_slots(slots: list[int], num_slots: int):
+    """``slots`` as an int64 tensor for a kernel that indexes a pool of ``num_slots`` with them
+    unchecked; raises IndexError for one outside it."""
+    import torch
+
+    if slots and (min(slots) < 0 or max(slots) >= num_slots):  # the C code trusts them
+        raise IndexError(f"state slots {slots} outside [0, {num_slots})")
+    return torch.tensor(slots, dtype=torch.long)

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_decode, cpu_fused
+from kernels import cpu_fused
 from kernels.delta_rule import cpu_chunk
+from kernels.delta_rule import cpu_decode as delta_decode
 from kernels.ragged_state import native as ragged_native
+from kernels.short_conv import cpu as conv_native
 from model_runner.batch import SeqInput
 from model_runner.checkpoints.pool import CheckpointFormat
 from model_runner.compression.accounting import dense_slot_bytes, report_plan, slots_at_budget
@@ -139,8 +141,9 @@ def warm_up(runner: ModelRunner, num_tokens: int) -> None:
     """The C libraries loaded; then, for ``num_tokens`` > 0, one prefill of ``num_tokens`` and
     one decode step on every rank (SPMD), into KV rows [0, num_tokens] and state slot 1, which
     nothing holds yet; the slot is left zeroed."""
-    for library in (cpu_chunk.native_library, cpu_decode.native_library,
-                    cpu_fused.native_library, ragged_native.native_library):
+    for library in (cpu_chunk.native_library, delta_decode.native_library,
+                    conv_native.native_library, cpu_fused.native_library,
+                    ragged_native.native_library):
         library()  # built on first use: now, not in the first request
     if num_tokens < 1:
         return

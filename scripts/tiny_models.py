@@ -25,8 +25,8 @@ from transformers import (  # noqa: E402
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi_mod  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen_mod  # noqa: E402
 
+from kernels.delta_rule.naive import chunk_delta_rule, l2norm_div, l2norm_rsqrt  # noqa: E402
 from model_runner.byte_tokenizer import BOS_ID, EOS_ID, MODEL_VOCAB_SIZE, PAD_ID  # noqa: E402
-from model_runner.ops.delta_rule import chunk_delta_rule, l2norm_div, l2norm_rsqrt  # noqa: E402
 
 MODEL_NAMES = ("kimi-linear-tiny", "qwen3-next-tiny")
 NUM_LAYERS = 6

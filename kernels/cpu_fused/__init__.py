@@ -4,7 +4,7 @@
   FP32 output, with the model dtype's roundings (``layers/norm.py``'s ``GatedRMSNorm`` is the
   torch form);
 - ``l2norm_qkv``: q and k L2-normalised and v converted to FP32, straight from the conv's
-  output (``ops/delta_rule.py``'s ``l2norm_rsqrt`` is the torch form);
+  output (``kernels/delta_rule/naive.py``'s ``l2norm_rsqrt`` is the torch form);
 - ``silu_mul``: a dense MLP's ``silu(gate) * up`` from the gate-up projection's output;
 - ``rmsnorm``: an RMS norm of rows in the roundings of each architecture (``layers/norm.py``'s
   ``RMSNorm`` is the torch form).

@@ -6,7 +6,7 @@
  *
  *     D[i][j] = a_{j+1} ... a_i  (j <= i),   E_i = a_0 ... a_i   (chained products),
  *
- * the WY form of model_runner/ops/delta_rule.py's ``chunk_delta_rule`` is evaluated without
+ * the WY form of kernels/delta_rule/naive.py's ``chunk_delta_rule`` is evaluated without
  * forming the triangular inverse:
  *
  *     P = K S, Q = Q_rows S                           (the entering state read once per chunk)

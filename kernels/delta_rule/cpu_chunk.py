@@ -2,7 +2,7 @@
 (``cpu_chunk.c`` beside this file): chunk by chunk, each state advanced in place in its pool
 slot, so a step's states are neither gathered nor written back.
 
-The torch form and reference is ``model_runner/ops/delta_rule.py``'s ``chunk_delta_rule``; the
+The torch form and reference is ``kernels/delta_rule/naive.py``'s ``chunk_delta_rule``; the
 two agree to FP32 rounding (tests/kernels/test_cpu_chunk_native.py: ~1e-6 of the outputs' scale over
 hundreds of tokens).  ``chunk_in_pool`` returns None where the kernel does not run (no C
 compiler, ``DASC_NATIVE_KERNELS=0``, a CPU without AVX-512, a per-channel decay, tensors not

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model_runner.ops.delta_rule import chunk_delta_rule
+from kernels.delta_rule.naive import chunk_delta_rule
 
 
 def inputs(length: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:

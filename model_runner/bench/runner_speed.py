@@ -49,9 +49,9 @@ def main() -> None:
                    help="as dasc-serve's flag: oneDNN-packed copies of large linear weights "
                         "(bf16 on a CPU with native bf16, else fp32)")
     p.add_argument("--native-kernels", choices=["on", "off", "alternate"], default="on",
-                   help="the CPU decode C kernels (kernels/cpu_decode); alternate: decode steps "
-                        "alternate off and on in this process, and each decode line reports "
-                        "both (step_ms on, step_ms_off) (default: on)")
+                   help="the CPU decode C kernels (kernels/delta_rule, kernels/short_conv); "
+                        "alternate: decode steps alternate off and on in this process, and "
+                        "each decode line reports both (step_ms on, step_ms_off) (default: on)")
     p.add_argument("--mixed-chunks", type=int, nargs="*", default=[], metavar="C",
                    help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
                         "of another sequence, as a serving step that mixes them")

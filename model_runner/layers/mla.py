@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.derived import derived
 from model_runner.layers.linear import emulates_bf16
-from model_runner.ops.derived import derived
 
 
 def split_kv_b(weight: torch.Tensor, num_heads: int, nope_dim: int

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_fused import silu_mul
+from kernels.derived import derived
 from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode
 from kernels.moe_decode import simd_available as moe_simd_available
 from model_runner.config import ModelConfig
@@ -27,7 +28,6 @@ from model_runner.layers.linear import (
     packed_bytes,
     rank_slice,
 )
-from model_runner.ops.derived import derived
 from model_runner.parallel import TPGroup
 
 

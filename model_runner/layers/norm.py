@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_fused import gated_rmsnorm, rmsnorm
+from kernels.derived import derived
 from model_runner.layers.linear import attach_loader, new_param
-from model_runner.ops.derived import derived
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

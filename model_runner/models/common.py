@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.short_conv.naive import conv_decode_into, conv_varlen
 from model_runner.batch import ForwardBatch, Snapshots
 from model_runner.compression.placement import check_head_order, owned_bundles
 from model_runner.config import ModelConfig
@@ -21,7 +22,6 @@ from model_runner.ops.linear_attention import (
     delta_rule_prefill,
     recurrence_in_pool,
 )
-from model_runner.ops.short_conv import conv_decode_into, conv_varlen
 from model_runner.parallel import TPGroup
 from model_runner.rank_memory import KVPool, StatePool
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.delta_rule.naive import l2norm_div
 from model_runner.config import ModelConfig
 from model_runner.layers.attention import (
     causal_attention,
@@ -47,7 +48,6 @@ from model_runner.models.common import (
     rank_bundles,
     short_conv,
 )
-from model_runner.ops.delta_rule import l2norm_div
 from model_runner.parallel import TPGroup
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_fused import l2norm_qkv
+from kernels.delta_rule.naive import l2norm_rsqrt
 from model_runner.config import ModelConfig
 from model_runner.layers.attention import PartialRotary, paged_attention, split_kv, store_kv
 from model_runner.layers.linear import (
@@ -34,7 +35,6 @@ from model_runner.models.common import (
     rank_bundles,
     short_conv,
 )
-from model_runner.ops.delta_rule import l2norm_rsqrt
 from model_runner.parallel import TPGroup
 
 

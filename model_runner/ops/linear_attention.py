@@ -3,7 +3,8 @@
 CPU: the chunked form for prefill, all sequences in one pass (GDN: the C kernel
 ``kernels/delta_rule/cpu_chunk``; KDA, or without a C compiler: ``varlen_chunk_delta_rule``), and
 ``decode_step`` for decode and for the one-token sequences of a mixed step (torch; serving
-runs them in their pool slots, ``decode_into``, by ``kernels/cpu_decode``'s C kernel).
+runs them in their pool slots, ``decode_into``, by the C kernel of
+``kernels/delta_rule/cpu_decode.py``).
 ``recurrence_in_pool`` runs a step's sequences straight from and into a state pool (CPU
 inference).
 CUDA: fla's chunk kernels (varlen via cu_seqlens) and fused recurrent kernels. fla is imported
@@ -30,8 +31,8 @@ from functools import lru_cache
 import torch
 
 from kernels.delta_rule.cpu_chunk import chunk_in_pool, chunk_runs
-from model_runner.ops.delta_rule import default_chunk_size, varlen_chunk_delta_rule
-from model_runner.ops.delta_rule_decode import decode_into, decode_step
+from kernels.delta_rule.decode import decode_into, decode_step
+from kernels.delta_rule.naive import default_chunk_size, varlen_chunk_delta_rule
 
 # Tokens per chunk of the C kernel (GDN): at Qwen3.5-0.8B's GDN shape (16 heads of 128 x 128),
 # 1,024 tokens, one core: 19.6 ms a layer at 16, 21.6 at 32, 22.7 at 64.

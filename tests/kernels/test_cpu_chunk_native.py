@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels import native_build
 from kernels.delta_rule import cpu_chunk
 from kernels.delta_rule.cpu_chunk import chunk_in_pool, native_library, simd_available
-from model_runner.ops.delta_rule import recurrent_delta_rule, varlen_chunk_delta_rule
+from kernels.delta_rule.naive import recurrent_delta_rule, varlen_chunk_delta_rule
 from model_runner.ops.linear_attention import delta_rule_prefill, recurrence_in_pool
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")

@@ -1,5 +1,6 @@
-"""The C kernels of CPU decode (``kernels/cpu_decode``) give the torch forms' bits:
-- the delta rule's one-token update (``delta_rule_decode._update``: an ``embedding_bag``
+"""The C kernels of CPU decode (``kernels/delta_rule/cpu_decode``, ``kernels/short_conv/cpu``)
+give the torch forms' bits:
+- the delta rule's one-token update (``kernels.delta_rule.decode._update``: an ``embedding_bag``
   projection, ``mul_`` and ``addcmul_``), in its AVX-512 form (V = 128) and its portable loop,
   per head and per channel, with GVA, at Qwen3-Next's and Kimi-Linear's state shapes;
 - the short conv's window sum and state shift (``short_conv.conv_decode``), and a prefill
@@ -18,14 +19,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode, native_build
-from kernels.cpu_decode import conv_in_place, delta_rule_in_place, native_library
-from model_runner.ops import short_conv
-from model_runner.ops.delta_rule_decode import _operands, _update, decode_into, decode_step
-from model_runner.ops.short_conv import _columns, conv_decode, conv_decode_into, conv_varlen
+from kernels import native_build
+from kernels.delta_rule import cpu_decode as delta_native
+from kernels.delta_rule.cpu_decode import delta_rule_in_place
+from kernels.delta_rule.decode import _operands, _update, decode_into, decode_step
+from kernels.short_conv import cpu as conv_native
+from kernels.short_conv import naive as short_conv
+from kernels.short_conv.cpu import conv_in_place
+from kernels.short_conv.naive import _columns, conv_decode, conv_decode_into, conv_varlen
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(delta_native.native_library() is None
+                                or conv_native.native_library() is None,
+                                reason="no C compiler here")
 
 
 def _step(batch, key_heads, heads, k_dim, v_dim, per_channel, seed):
@@ -82,7 +88,7 @@ def test_decode_entry_points_take_the_kernel(monkeypatch, per_channel):
     """``decode_into`` (a pool's slots) and ``decode_step`` (a gathered batch) run the kernel at
     inference and give the bits of the torch form they run without it."""
     calls = []
-    real = cpu_decode.native_library()
+    real = delta_native.native_library()
 
     class Spy:
         def dasc_delta_decode(self, *args):
@@ -91,13 +97,13 @@ def test_decode_entry_points_take_the_kernel(monkeypatch, per_channel):
 
     q, k, v, g, beta = _step(2, 16, 32, 128, 128, per_channel, seed=3)
     pool = torch.randn(3, 32, 128, 128, generator=torch.Generator().manual_seed(4))
-    monkeypatch.setattr(cpu_decode, "native_library", lambda: None)
+    monkeypatch.setattr(delta_native, "native_library", lambda: None)
     want_pool = pool.clone()
     want = decode_into(want_pool, [2, 1], q, k, v, g, beta, 0.09)
     want_batch = pool[[2, 1]].clone()
     want_step, _ = decode_step(q, k, v, g, beta, want_batch, 0.09)
     assert not calls
-    monkeypatch.setattr(cpu_decode, "native_library", Spy)
+    monkeypatch.setattr(delta_native, "native_library", Spy)
     batch = pool[[2, 1]].clone()
     got_step, new = decode_step(q, k, v, g, beta, batch, 0.09)
     assert torch.equal(got_step, want_step) and new is batch and torch.equal(batch, want_batch)
@@ -133,7 +139,7 @@ def test_where_the_kernel_does_not_run():
 
 
 def test_the_library_builds_into_its_cache_and_can_be_switched_off(tmp_path):
-    code = ("from kernels.cpu_decode import native_library;"
+    code = ("from kernels.delta_rule.cpu_decode import native_library;"
             "print(native_library() is None)")
 
     def child(env):
@@ -142,7 +148,7 @@ def test_the_library_builds_into_its_cache_and_can_be_switched_off(tmp_path):
 
     built = child({"DASC_CACHE_DIR": str(tmp_path)})
     assert built.stdout.strip() == "False", built.stderr
-    assert len(list(tmp_path.glob("cpu_decode-*.so"))) == 1
+    assert len(list(tmp_path.glob("delta_decode-*.so"))) == 1
     assert child({"DASC_NATIVE_KERNELS": "0"}).stdout.strip() == "True"
     broken = child({"DASC_CACHE_DIR": str(tmp_path / "b"), "CC": "false"})
     assert broken.stdout.strip() == "True" and "using torch" in broken.stderr
@@ -174,12 +180,12 @@ def test_conv_decode_into_takes_the_kernel(monkeypatch):
     weight = torch.randn(64, 4, generator=gen).bfloat16()
     x = torch.randn(2, 64, generator=gen).bfloat16()
     slots = torch.tensor([2, 1])
-    monkeypatch.setattr(cpu_decode, "native_library", lambda: None)
+    monkeypatch.setattr(conv_native, "native_library", lambda: None)
     want_pool = pool.clone()
     want = conv_decode_into(x, weight, want_pool, slots)
     monkeypatch.undo()
     calls = []
-    real = cpu_decode.conv_in_place
+    real = conv_native.conv_in_place
     def spy(*args):
         sums = real(*args)
         calls.append((len(args[3]), sums is not None))  # the kernel ran, for 2 sequences
@@ -209,7 +215,7 @@ def test_the_prefill_conv_kernel_gives_the_torch_forms_bits(channels, dtype):
     finally:
         native_build.set_enabled(True)
     calls = []
-    real = cpu_decode.conv_window_sums
+    real = conv_native.conv_window_sums
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(short_conv, "conv_window_sums",
                    lambda *a: (calls.append(real(*a)), calls[-1])[1])

@@ -21,8 +21,8 @@ from kernels.cpu_fused import (
     silu_mul,
     simd_available,
 )
+from kernels.delta_rule.naive import l2norm_rsqrt
 from model_runner.layers.norm import GatedRMSNorm, RMSNorm
-from model_runner.ops.delta_rule import l2norm_rsqrt
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
 

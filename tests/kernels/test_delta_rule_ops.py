@@ -8,20 +8,20 @@ import importlib.util
 import pytest
 import torch
 
-from model_runner.ops.delta_rule import (
+from kernels.delta_rule.decode import decode_step
+from kernels.delta_rule.naive import (
     FACTOR_LIMIT,
     chunk_delta_rule,
     l2norm_div,
     recurrent_delta_rule,
     recurrent_step,
 )
-from model_runner.ops.delta_rule_decode import decode_step
+from kernels.short_conv.naive import conv_decode, conv_decode_into, conv_prefill
 from model_runner.ops.linear_attention import (
     delta_rule_decode,
     delta_rule_prefill,
     recurrence_in_pool,
 )
-from model_runner.ops.short_conv import conv_decode, conv_decode_into, conv_prefill
 
 
 def _fla_naive(path: str):

@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runner.batch import SeqInput, SingleQueries, build_batch
-from model_runner.layers.attention import causal_attention, per_sequence
-from model_runner.ops.delta_rule import (
+from kernels.delta_rule.naive import (
     chunk_delta_rule,
     l2norm_div,
     recurrent_delta_rule,
     varlen_chunk_delta_rule,
 )
+from kernels.short_conv.naive import conv_prefill, conv_varlen
+from model_runner.batch import SeqInput, SingleQueries, build_batch
+from model_runner.layers.attention import causal_attention, per_sequence
 from model_runner.ops.linear_attention import delta_rule_prefill
-from model_runner.ops.short_conv import conv_prefill, conv_varlen
 
 # one-token sequences (the decodes of a mixed step), a whole chunk, chunks and a tail, ...
 LENS = [1, 37, 16, 1, 64, 130, 5, 2]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from model_runner.ops.delta_rule import l2norm_div
+from kernels.delta_rule.naive import l2norm_div
 from model_runner.ops.linear_attention import delta_rule_decode, delta_rule_prefill
 
 SCALE = 0.25

@@ -1,13 +1,6 @@
-"""CPU decode in C (``native.c`` beside this file): one token per sequence, each state
-updated in place in its slot, with the bits of the torch forms they stand in for; and the
-short conv's prefill window sums, which share the decode's arithmetic.
-
-- ``delta_rule_in_place``: the gated delta rule's update in one pass over each state
-  (``model_runner/ops/delta_rule_decode.py`` is the torch form and reference);
-- ``conv_in_place``: the short convolution's window sum and state shift
-  (``model_runner/ops/short_conv.py``'s ``conv_decode``);
-- ``conv_window_sums``: a prefill chunk's window sums (``short_conv.conv_varlen``'s).
-
+"""The short convolution in C on a CPU (``cpu.c`` beside this file), with the bits of the torch
+forms it stands in for (``naive.py``): ``conv_in_place`` decodes one token per sequence, each
+state shifted in place in its slot; ``conv_window_sums`` computes a prefill chunk's window sums.
 Each returns None where it does not run (no C compiler, ``DASC_NATIVE_KERNELS=0``, tensors not
 on the CPU or not of the dtypes and layouts it reads, autograd), and the caller takes the torch
 form.
@@ -21,12 +14,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.native_build import I64, PTR, enabled, load_library
+from kernels.native_build import I64, PTR, check_slots, enabled, load_library
 
-SOURCE = Path(__file__).with_name("native.c")
+SOURCE = Path(__file__).with_name("cpu.c")
 _SIGNATURES = {
-    "dasc_delta_decode": (PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR,
-                          PTR, PTR, I64),
     "dasc_conv_decode": (PTR, I64, PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64),
     "dasc_conv_prefill": (PTR, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I64),
 }
@@ -34,40 +25,7 @@ _SIGNATURES = {
 
 @cache
 def native_library() -> ctypes.CDLL | None:
-    return load_library(SOURCE, "cpu_decode", _SIGNATURES, "CPU decode kernels")
-
-
-def _check_slots(slots: list[int], num_slots: int) -> torch.Tensor:
-    if slots and (min(slots) < 0 or max(slots) >= num_slots):  # the C code trusts them
-        raise IndexError(f"state slots {slots} outside [0, {num_slots})")
-    return torch.tensor(slots, dtype=torch.long)
-
-
-def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor,
-                        qk: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                        decay: torch.Tensor, k: torch.Tensor, simd: bool = True
-                        ) -> torch.Tensor | None:
-    """Advance ``pool[slots[b]]`` ([S, H, K, V] FP32) by one token in place: row b * H + h of
-    the operands (``delta_rule_decode._operands``: wkq [BH, 2, K], qk, v [BH, 1, V], beta,
-    decay [BH, 1 or K, 1], k [BH, K, 1]) belongs to head h of sequence b.  Returns
-    o [BH, 1, V] FP32, or None where the kernel does not run.  ``simd=False`` takes the
-    portable loop (tests)."""
-    num_heads, k_dim, v_dim = pool.shape[1:]
-    operands = (wkq, qk, v, beta, decay, k)
-    if (pool.device.type != "cpu" or pool.dtype != torch.float32 or torch.is_grad_enabled()
-            or not pool[0].is_contiguous() or pool.stride(0) < num_heads * k_dim * v_dim
-            or any(x.dtype != torch.float32 for x in operands) or not enabled()
-            or native_library() is None):
-        return None
-    wkq, qk, v, beta, decay, k = (x.contiguous() for x in operands)
-    index = _check_slots(slots, pool.shape[0])
-    o = torch.empty(len(slots) * num_heads, 1, v_dim)
-    scratch = torch.empty(v_dim)
-    native_library().dasc_delta_decode(
-        pool.data_ptr(), pool.stride(0), index.data_ptr(), len(slots), num_heads, k_dim,
-        v_dim, wkq.data_ptr(), qk.data_ptr(), v.data_ptr(), beta.data_ptr(), decay.data_ptr(),
-        int(decay.shape[1] != 1), k.data_ptr(), o.data_ptr(), scratch.data_ptr(), int(simd))
-    return o
+    return load_library(SOURCE, "short_conv", _SIGNATURES, "the CPU short convolution")
 
 
 def _conv_runs(x: torch.Tensor, columns: torch.Tensor, states: torch.Tensor) -> bool:
@@ -91,7 +49,7 @@ def conv_in_place(x: torch.Tensor, columns: torch.Tensor, pool: torch.Tensor, sl
     if (not _conv_runs(x, columns, pool) or not pool[0].is_contiguous()
             or pool.stride(0) < channels * width):
         return None
-    index = _check_slots(slots, num_slots)
+    index = check_slots(slots, num_slots)
     out = torch.empty(len(slots), channels)
     native_library().dasc_conv_decode(
         pool.data_ptr(), pool.stride(0), index.data_ptr(), len(slots), channels, width,

@@ -10,8 +10,8 @@ is written in two in-place passes.  The output reads the old state's projection:
 ``decode_step`` updates a batch of states (a caller's gathered copy); ``decode_into`` updates
 each sequence's slot of a state pool in place, one sequence at a time, with the same operations
 on the same rows, so both give the same bits.  At inference on a CPU both run the update as
-``kernels/cpu_decode``'s C kernel where it is built: one pass over each state, the same
-bits as these torch operations (3-6x faster at Qwen3-Next's shapes).
+the C kernel (``cpu_decode.py`` beside this file) where it is built: one pass over each state,
+the same bits as these torch operations (3-6x faster at Qwen3-Next's shapes).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode import delta_rule_in_place
+from kernels.delta_rule.cpu_decode import delta_rule_in_place
 
 
 def decode_step(

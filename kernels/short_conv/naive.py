@@ -12,8 +12,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode import conv_in_place, conv_window_sums
-from model_runner.ops.derived import derived
+from kernels.derived import derived
+from kernels.short_conv.cpu import conv_in_place, conv_window_sums
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
@@ -37,8 +37,8 @@ def conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
     thousands of one-channel groups runs per channel on CPU); the sum is rounded to the weight
     dtype before the SiLU, where transformers' conv rounds it.  The states are copies of rows,
     bit for bit what a split prefill leaves.  At inference on a CPU the window sums run as
-    ``kernels/cpu_decode``'s C kernel where it is built (the same sums, straight from x and the
-    states, no buffer), and the states are cut from x and the old states."""
+    the C kernel (``cpu.py`` beside this file) where it is built (the same sums, straight from x
+    and the states, no buffer), and the states are cut from x and the old states."""
     width, channels = states.shape[2], x.shape[1]
     sums = conv_window_sums(x, _columns(weight), states, cu_seqlens, weight.dtype) \
         if x.is_cpu else None
@@ -137,8 +137,8 @@ def conv_decode_into(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
                      slots: torch.Tensor) -> torch.Tensor:
     """``conv_decode`` of the sequences whose states are ``pool[slots]`` ([S, C, kernel - 1]),
     the new states written back into their slots.  At inference on a CPU this runs
-    ``kernels/cpu_decode``'s C kernel where it is built: the same sums (the window sum in
-    FP32, a product then one fused add per tap) in the slots, with no gathers, transposes or
+    the C kernel (``cpu.py`` beside this file) where it is built: the same sums (the window sum
+    in FP32, a product then one fused add per tap) in the slots, with no gathers, transposes or
     write-back (at 8,192 channels, 15 sequences: ~0.1 against ~1.7 ms a layer)."""
     sums = conv_in_place(x, _columns(weight), pool, slots.tolist()) if pool.is_cpu else None
     if sums is not None:
