@@ -139,7 +139,7 @@ def test_plan_table_has_a_legend_and_says_what_it_wrote(tmp_path: Path, capsys) 
 def test_plan_plot_has_integer_ticks_on_integer_axes() -> None:
     import matplotlib.pyplot as plt
 
-    from model_runner.compression.analysis.plot import horizon_figure
+    from model_runner.compression.analysis.horizon_plot import horizon_figure
     from model_runner.compression.horizons import static_horizons
     from model_runner.compression.weights import load_decay_params
     from model_runner.config import ModelConfig

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.bench.report import markdown_table
+from loadgen.bench.seed_metrics import markdown_table
 from loadgen.sender import run_window
 from loadgen.spawn import running_server
 from loadgen.stream import make_client

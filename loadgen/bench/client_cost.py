@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.bench.report import markdown_table
+from loadgen.bench.seed_metrics import markdown_table
 from loadgen.sender import run_sequential, run_window
 from loadgen.spawn import descendants, running_server
 from loadgen.stream import make_client, request_body

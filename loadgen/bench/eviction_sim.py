@@ -17,7 +17,7 @@ import sys
 from typing import NamedTuple
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.bench.report import markdown_table
+from loadgen.bench.seed_metrics import markdown_table
 from loadgen.workload import Request, multi_turn, shared_prefix
 from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler

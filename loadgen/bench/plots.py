@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loadgen.bench.report import mean_sd  # noqa: E402
+from loadgen.bench.seed_metrics import mean_sd  # noqa: E402
 
 MARKERS = {"off": "o", "storage": "s", "hybrid": "D"}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from loadgen.bench.report import (
+from loadgen.bench.seed_metrics import (
     markdown_table,
     mean_sd,
     per_seed,
@@ -30,7 +30,7 @@ from loadgen.bench.report import (
 from loadgen.phases import Phase, phase_dataset, plan_phases, run_phases
 from loadgen.spawn import running_server
 from loadgen.stream import make_client
-from model_runner.bench.arms import Arm, SlotPlanner, check_live_slots
+from model_runner.bench.serving_arms import Arm, SlotPlanner, check_live_slots
 
 PAPER_CAPACITY = 2.63  # Kimi-KDA complete-checkpoint capacity ratio the paper's targets use
 PAPER_TTFT_REDUCTION, PAPER_THROUGHPUT_GAIN = 42.6, 68.4  # percent, Figure 3

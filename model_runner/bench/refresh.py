@@ -23,13 +23,13 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from loadgen.bench.report import markdown_table, per_seed, pm, run_metrics, write_json
+from loadgen.bench.seed_metrics import markdown_table, per_seed, pm, run_metrics, write_json
 from loadgen.sender import Progress, run_window
 from loadgen.spawn import running_server
 from loadgen.stream import ServerAdmin, make_client
 from loadgen.workload import multi_turn
-from model_runner.bench.arms import Arm
 from model_runner.bench.matched import server_flags
+from model_runner.bench.serving_arms import Arm
 from model_runner.config import ModelConfig
 
 PAPER_TABLE8 = {16: (61.8, 67.0), 64: (78.9, 85.5), 128: (100.0, 108.4), 512: (230.5, 249.3),

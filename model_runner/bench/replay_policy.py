@@ -20,12 +20,12 @@ from pathlib import Path
 import httpx
 
 from client.cli_help import DefaultsHelpFormatter
-from loadgen.bench.report import markdown_table, run_metrics
+from loadgen.bench.seed_metrics import markdown_table, run_metrics
 from loadgen.sender import run_window
 from loadgen.spawn import running_server
 from loadgen.stream import make_client
 from loadgen.workload import Request, random_ids
-from model_runner.bench.arms import Arm, SlotPlanner
+from model_runner.bench.serving_arms import Arm, SlotPlanner
 from model_runner.config import DEFAULT_MODEL
 from scheduler.wire.serve_config import SchedulePolicyName
 

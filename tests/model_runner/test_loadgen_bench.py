@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from loadgen.bench.client_cost import main as client_cost
-from model_runner.bench.arms import Arm, SlotPlanner
 from model_runner.bench.bench_cli import main as bench
+from model_runner.bench.serving_arms import Arm, SlotPlanner
 
 
 def test_tiny_matched_budget(tmp_path):

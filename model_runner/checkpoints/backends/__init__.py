@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from model_runner.checkpoints.backends.base import CheckpointBackend
+from model_runner.checkpoints.backends.interface import CheckpointBackend
 from model_runner.checkpoints.backends.native import NativeBackend
 from model_runner.checkpoints.backends.torch_flat import TorchFlatBackend
 from model_runner.checkpoints.backends.triton import TritonBackend

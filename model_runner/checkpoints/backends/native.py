@@ -12,7 +12,7 @@ from kernels.ragged_state.native import (
     dequantize_runs,
     quantize_runs,
 )
-from model_runner.checkpoints.backends.base import CheckpointBackend
+from model_runner.checkpoints.backends.interface import CheckpointBackend
 
 
 class NativeBackend(CheckpointBackend):

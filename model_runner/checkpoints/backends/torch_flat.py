@@ -14,7 +14,7 @@ from kernels.ragged_state.flat_rows import (
     stage_units,
     take_rows,
 )
-from model_runner.checkpoints.backends.base import CheckpointBackend
+from model_runner.checkpoints.backends.interface import CheckpointBackend
 
 
 class TorchFlatBackend(CheckpointBackend):

@@ -7,7 +7,7 @@ import torch
 
 from kernels.int8_quant import dequantize_int8, quantize_int8
 from kernels.ragged_state import gather_units, scatter_units
-from model_runner.checkpoints.backends.base import CheckpointBackend
+from model_runner.checkpoints.backends.interface import CheckpointBackend
 
 
 class TritonBackend(CheckpointBackend):

@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         chosen.save(args.save_plan)
         print(f"wrote {args.save_plan}", file=sys.stderr)
     if args.plot is not None:
-        from model_runner.compression.analysis.plot import plot_horizons
+        from model_runner.compression.analysis.horizon_plot import plot_horizons
 
         plot_horizons(cfg, horizons, wmaxes, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
