@@ -397,7 +397,7 @@ def add_tokenize_routes(app: FastAPI, threads: TokenizerThreads, model_name: str
 # worker: ``GET /model_info`` (and the older ``/get_model_info``), ``GET /get_server_info``,
 # ``GET /health_generate`` and ``POST /generate``.
 #
-# ``/generate`` takes SGLang's body (``sglang_request.NativeGenerateRequest``), turns it into the
+# ``/generate`` takes SGLang's body (``requests.NativeGenerateRequest``), turns it into the
 # completions request it means and runs it on the OpenAI routes' path (``prepare`` -> ``Job`` ->
 # ``engine.generate``), so validation, metrics, aborts and the prefix cache are the same.  Its
 # answer is SGLang's: ``{"text", "output_ids", "meta_info": {id, finish_reason, prompt_tokens,
