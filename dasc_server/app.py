@@ -50,6 +50,7 @@ from dasc_server.chat import (
     tool_plan,
 )
 from dasc_server.engine_client import Choice, EngineClient, EngineDead, Job
+from dasc_server.flags import FrontEndOptions
 from dasc_server.metrics import CONTENT_TYPE, Metrics
 from dasc_server.middleware import Guards
 from dasc_server.requests import (
@@ -83,13 +84,6 @@ def sample_seed(seed: int | None, sample_index: int) -> int | None:
     """Sample j of a prompt draws with ``seed + j`` (mod 2**63), so sample 0 repeats the n=1
     request with that seed; no seed: the scheduler draws one per sample."""
     return None if seed is None else (seed + sample_index) % 2**63
-
-
-@dataclass(frozen=True, slots=True)
-class FrontEndOptions:
-    api_key: str | None = None
-    max_request_bytes: int = 16 * 1024 * 1024
-    max_queued_requests: int = 256
 
 
 def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,

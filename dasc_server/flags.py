@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
@@ -37,7 +38,18 @@ from scheduler.wire.serve_config import (
     TierEviction,
 )
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontEndOptions:
+    """The front end's own settings (``dasc_server.app.create_app``)."""
+
+    api_key: str | None = None  # --api-key, else $DASC_API_KEY
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_queued_requests: int = 256
+
+
 # the defaults: every flag that sets a config field reads its default from the dataclass
+FRONT = FrontEndOptions()
 RANKS = RankConfig(dtype=Dtype.BFLOAT16)
 SCHED = SchedulingConfig()
 CKPT = CheckpointSpec()
@@ -71,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DASC_API_KEY if set, else no key)")
-    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
+    p.add_argument("--max-request-bytes", type=int, default=FRONT.max_request_bytes,
                    help="larger request bodies get 413")
-    p.add_argument("--max-queued-requests", type=int, default=256,
+    p.add_argument("--max-queued-requests", type=int, default=FRONT.max_queued_requests,
                    help="requests waiting beyond --max-running-requests; more get 503")
     g = p.add_argument_group("multi-node (passed to torchrun; node 0 runs the front end and "
                              "the scheduler, other nodes only their ranks)")

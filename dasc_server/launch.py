@@ -34,7 +34,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from dasc_server.flags import parse_args, serve_config, validate
+from dasc_server.flags import FrontEndOptions, parse_args, serve_config, validate
 from model_runner.processes import exit_now
 from scheduler.wire import ipc
 from scheduler.wire.messages import ServerInfo, Shutdown
@@ -235,13 +235,14 @@ def serve(args: argparse.Namespace, conn, info: ServerInfo,
     import uvicorn
     import uvloop
 
-    from dasc_server.app import FrontEndOptions, create_app
+    from dasc_server.app import create_app
     from dasc_server.engine_client import EngineClient
 
     name = args.served_model_name or Path(args.model).name
     failure: list[str] = []
     engine = EngineClient(conn, info, on_lost=lambda why: _fail(failure, why, server))
-    options = FrontEndOptions(args.api_key, args.max_request_bytes, args.max_queued_requests)
+    options = FrontEndOptions(api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                              max_queued_requests=args.max_queued_requests)
     app = create_app(engine, tokenizer.result(), name, options)
     expired = f"the server is shutting down (--shutdown-timeout {args.shutdown_timeout:g} s)"
 
