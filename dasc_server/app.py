@@ -80,6 +80,15 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
 
+def check_capacity(engine: EngineClient, job: Job, max_in_flight: int) -> None:
+    """503 with ``Retry-After`` when the job's choices would take the requests in flight past
+    ``max_in_flight`` (``--max-running-requests + --max-queued-requests``)."""
+    if engine.num_active + len(job.choices) > max_in_flight:
+        raise RequestError(f"the server is at capacity ({max_in_flight} requests in flight); "
+                           "retry later", status=503, type="server_error", code="overloaded",
+                           headers={"Retry-After": "1"})
+
+
 def sample_seed(seed: int | None, sample_index: int) -> int | None:
     """Sample j of a prompt draws with ``seed + j`` (mod 2**63), so sample 0 repeats the n=1
     request with that seed; no seed: the scheduler draws one per sample."""
@@ -249,10 +258,7 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
     async def serve(req: CompletionRequest | ChatCompletionRequest, request: Request
                     ) -> Response:
         job = await prepare_off_loop(req)
-        if engine.num_active + len(job.choices) > max_in_flight:
-            raise RequestError(f"the server is at capacity ({max_in_flight} requests in "
-                               "flight); retry later", status=503, type="server_error",
-                               code="overloaded", headers={"Retry-After": "1"})
+        check_capacity(engine, job, max_in_flight)
         if req.stream:
             return StreamingResponse(sse_frames(engine, tokenizer, job),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -458,10 +464,7 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
 
     async def admit(req: CompletionRequest) -> Job:
         job = await prepare(req)
-        if engine.num_active + len(job.choices) > max_in_flight:
-            raise RequestError(f"the server is at capacity ({max_in_flight} requests in "
-                               "flight); retry later", status=503, type="server_error",
-                               code="overloaded", headers={"Retry-After": "1"})
+        check_capacity(engine, job, max_in_flight)
         return job
 
     async def outputs(job: Job) -> AsyncIterator[_Output]:
@@ -524,8 +527,8 @@ def add_native_routes(app: FastAPI, engine: EngineClient, tokenizer: Any | None,
         job = await admit(completion)
         if req.stream:
             return StreamingResponse(sse(job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers=SSE_HEADERS)
         task = asyncio.ensure_future(last_output(job))
         if not await finished_before_disconnect(task, request):
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(task.result().body())

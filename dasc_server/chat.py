@@ -42,7 +42,7 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage],
                 tools: list[dict] | None = None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """``tools`` (OpenAI's shape) go to the template, which must have a tool format
-    (``dasc_server.chat`` checks); so do the messages' tool calls and tool answers, and
+    (``tool_plan`` checks); so do the messages' tool calls and tool answers, and
     ``template_kwargs`` (``chat_template_kwargs``, e.g. ``enable_thinking``)."""
     if not getattr(tokenizer, "chat_template", None):
         if any(m.tool_calls for m in messages):

@@ -1,6 +1,7 @@
 """dasc-serve's flags, parsed once: ``serve_config`` turns them into the frozen ``ServeConfig``
-the launcher hands to the scheduler and the ranks; the launcher keeps the rest (HTTP, torchrun,
-the API key, timeouts) for itself.  Declaring the flags imports no torch, so ``--help`` is
+the launcher hands to the scheduler and the ranks, and the front end's ``FrontEndOptions`` (the
+API key, the body and queue limits); the launcher keeps the rest (HTTP, torchrun, timeouts) for
+itself.  Declaring the flags imports no torch, so ``--help`` is
 instant; ``validate`` checks what it can before any process starts.
 """
 
@@ -112,25 +113,23 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    default=RANKS.cpu_fp32_weights.value,
                    help="hold a bf16 model's GEMM weights in fp32 (2x their memory; activations, "
                         "KV and states stay bf16): each GEMM is then one fp32 GEMM rounded to "
-                        "bf16 and no step upcasts weights; auto: on a CPU that only emulates bf16 "
-                        "(default: auto)")
+                        "bf16 and no step upcasts weights; auto: on a CPU that only emulates bf16")
     g.add_argument("--cpu-packed-weights", choices=["on", "off"],
                    default="on" if RANKS.cpu_packed_weights else "off",
                    help="give large linear weights a oneDNN-packed copy: bf16 on a CPU with "
                         "AVX512-BF16 or AMX, for every GEMM (1.1-4x faster than torch's there), "
                         "else fp32, for GEMMs of 2-256 rows (1.2-2.5x faster on AVX2); extra "
-                        "memory: the weight again in that dtype (default: on)")
+                        "memory: the weight again in that dtype")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="on cuda, run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=int, default=RANKS.cuda_graph_max_bs,
                    help="largest decode batch replayed as a CUDA graph (capped at "
-                        "--max-running-requests); larger steps and prefill run eagerly "
-                        "(default: 32)")
+                        "--max-running-requests); larger steps and prefill run eagerly")
     g.add_argument("--cuda-graph-max-context", type=int,
                    default=RANKS.cuda_graph_max_context,
                    help="longest decode context replayed as a CUDA graph; graphs for every "
                         "context bucket (powers of two from 256) up to it are captured at "
-                        "start-up, longer contexts decode eagerly (default: 4096)")
+                        "start-up, longer contexts decode eagerly")
     g.add_argument("--wmax", type=float, default=CKPT.w_max,
                    help="W_max of the selection plan (0: dense checkpoints)")
     g.add_argument("--load-policy", choices=values(LoadPolicy), default=CKPT.load_policy.value,
@@ -267,34 +266,33 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The part of the flags that every process runs from (after ``validate``); W_max is
     --wmax, or the one --target-slots chooses."""
     a = args
+    # every config checks its own values before --target-slots' plan search runs
+    ranks = RankConfig(
+        dtype=resolve_dtype(a.dtype, a.model, a.device), device=a.device,
+        cpu_fp32_weights=a.cpu_fp32_weights, cpu_packed_weights=a.cpu_packed_weights == "on",
+        cuda_graph=not a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
+        cuda_graph_max_context=a.cuda_graph_max_context,
+        state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots)
+    scheduling = SchedulingConfig(
+        max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests,
+        chunked_prefill_size=a.chunked_prefill_size, step_target_ms=a.step_target_ms,
+        checkpoint_interval=a.checkpoint_interval, schedule_policy=a.schedule_policy,
+        schedule_max_passes=a.schedule_max_passes, prefill_mix_ratio=a.prefill_mix_ratio,
+        decode_interleave=a.decode_interleave, checkpoint_eviction=a.checkpoint_eviction,
+        checkpoint_admission=a.checkpoint_admission, prefix_cache=not a.no_prefix_cache,
+        cache_finished=not a.no_cache_finished, park_finished=not a.no_park_finished,
+        decode_first=a.decode_first)
+    tier = CacheTierConfig(
+        cache_tier_dir=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
+        cache_tier_bytes=a.cache_tier_bytes, cache_tier_eviction=a.cache_tier_eviction,
+        host_tier_bytes=a.host_tier_bytes)
+    spec = dict(selection=a.selection, mask_seed=a.mask_seed, placement=a.placement,
+                payload=Payload.INT8 if a.int8_checkpoints else Payload.FP32,
+                load_policy=a.load_policy)
+    CheckpointSpec(w_max=a.wmax, **spec)
     w_max = choose_w_max(a) if a.target_slots is not None else a.wmax
-    return ServeConfig(
-        model=a.model,
-        ranks=RankConfig(
-            dtype=resolve_dtype(a.dtype, a.model, a.device), device=a.device,
-            cpu_fp32_weights=a.cpu_fp32_weights,
-            cpu_packed_weights=a.cpu_packed_weights == "on", cuda_graph=not a.disable_cuda_graph,
-            cuda_graph_max_bs=a.cuda_graph_max_bs, cuda_graph_max_context=a.cuda_graph_max_context,
-            state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots),
-        scheduling=SchedulingConfig(
-            max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests,
-            chunked_prefill_size=a.chunked_prefill_size, step_target_ms=a.step_target_ms,
-            checkpoint_interval=a.checkpoint_interval,
-            schedule_policy=a.schedule_policy,
-            schedule_max_passes=a.schedule_max_passes, prefill_mix_ratio=a.prefill_mix_ratio,
-            decode_interleave=a.decode_interleave,
-            checkpoint_eviction=a.checkpoint_eviction,
-            checkpoint_admission=a.checkpoint_admission,
-            prefix_cache=not a.no_prefix_cache, cache_finished=not a.no_cache_finished,
-            park_finished=not a.no_park_finished, decode_first=a.decode_first),
-        checkpoints=CheckpointSpec(
-            w_max=w_max, selection=a.selection, mask_seed=a.mask_seed,
-            payload=Payload.INT8 if a.int8_checkpoints else Payload.FP32,
-            placement=a.placement, load_policy=a.load_policy),
-        tier=CacheTierConfig(
-            cache_tier_dir=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
-            cache_tier_bytes=a.cache_tier_bytes, cache_tier_eviction=a.cache_tier_eviction,
-            host_tier_bytes=a.host_tier_bytes))
+    return ServeConfig(model=a.model, ranks=ranks, scheduling=scheduling,
+                       checkpoints=CheckpointSpec(w_max=w_max, **spec), tier=tier)
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -76,8 +76,8 @@ def validation_error_body(errors: list[dict]) -> dict:
 # and ignored.  ``user`` and other metadata that do not change the output are accepted.
 #
 # Checks that need the server's state (token ids against the vocabulary, the context length, the
-# model name) live in ``dasc_server.requests``; the models check only the body itself.
-# Every refusal becomes an OpenAI-style body (``dasc_server.requests``).
+# model name) are ``check_model`` and ``check_prompt`` below; the models check only the body
+# itself.  Every refusal becomes an OpenAI-style body (``RequestError``, ``error_body`` above).
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -143,7 +143,7 @@ class GenerationRequest(NeutralOnly):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
-    # text, json_object or json_schema, checked and compiled by ``dasc_server.requests``
+    # text, json_object or json_schema, checked and compiled by ``response_format_grammar``
     response_format: Any = None
     # Accepted only at their neutral values: silently ignoring them would change the output.
     min_p: Any = None

@@ -1,5 +1,6 @@
-"""What the ranks report at start-up that the scheduler plans within: the checkpoint pool, the
-context, the vocabulary, and how a checkpoint hit restores its omitted units.  The scheduler's
+"""What the scheduler plans within beyond its own config: the checkpoint pool, the context, the
+vocabulary and the refresh window that rank 0 reports at start-up, and how a checkpoint hit
+restores its omitted units (the served ``CheckpointSpec``'s load policy).  The scheduler's
 policy and pool sizes are its ``SchedulingConfig`` (``scheduler.wire.serve_config``)."""
 
 from __future__ import annotations

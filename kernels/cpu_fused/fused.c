@@ -8,7 +8,7 @@
  * where round() is the model dtype's rounding (bf16: to nearest even; FP32: none), exactly the
  * roundings torch makes.  The mean and the exponential in silu(z) = z / (1 + exp(-z)) run in
  * another order and polynomial than torch's, so results may differ from torch's in the last
- * bit of the model dtype (tests/test_cpu_fused_native.py bounds it).
+ * bit of the model dtype (tests/kernels/test_cpu_fused_native.py bounds it).
  *
  * dasc_l2norm_qkv: q and k of a GDN layer, x * rsqrt(sum(x^2) + eps) per head row of D, read
  * from the conv's output (bf16 or FP32, any row stride) into FP32 rows; v converted likewise.

@@ -17,7 +17,7 @@
  *
  * n is the chunk's v_new (u - w S in the torch form).  Every sum is one fused multiply-add
  * chain in index order, the same in the AVX-512 and the portable forms, so the two give the
- * same bits (tests/test_cpu_chunk_native.py); against the torch form (explicit inverse, decay
+ * same bits (tests/kernels/test_cpu_chunk_native.py); against the torch form (explicit inverse, decay
  * products as exp of cumulative-sum differences) they differ in rounding only.  A chunk's
  * operands stay in cache; the state is read twice and written once per chunk.
  *

@@ -32,7 +32,7 @@ def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor,
                         decay: torch.Tensor, k: torch.Tensor, simd: bool = True
                         ) -> torch.Tensor | None:
     """Advance ``pool[slots[b]]`` ([S, H, K, V] FP32) by one token in place: row b * H + h of
-    the operands (``delta_rule_decode._operands``: wkq [BH, 2, K], qk, v [BH, 1, V], beta,
+    the operands (``decode._operands``: wkq [BH, 2, K], qk, v [BH, 1, V], beta,
     decay [BH, 1 or K, 1], k [BH, K, 1]) belongs to head h of sequence b.  Returns
     o [BH, 1, V] FP32, or None where the kernel does not run.  ``simd=False`` takes the
     portable loop (tests)."""

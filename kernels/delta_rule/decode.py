@@ -1,4 +1,4 @@
-"""The one-token gated delta rule as batched matrix products (``delta_rule.recurrent_step``'s
+"""The one-token gated delta rule as batched matrix products (``naive.recurrent_step``'s
 update, which the tests loop as the reference).
 
 At decode the state is most of the bytes a linear layer moves (2 MiB a sequence at Qwen3-Next's

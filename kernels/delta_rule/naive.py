@@ -8,7 +8,7 @@ State layout everywhere in dasc: ``[..., H, K, V]`` FP32 (key channel k of head 
 ``chunk_delta_rule`` evaluates this for a whole sequence chunk by chunk (WY form, one triangular
 solve per chunk, all chunks at once); only the inter-chunk state hand-off is a loop over chunks.
 ``recurrent_step`` is the one-token update; looping it is the reference
-(``delta_rule_decode.decode_step`` is the same update as batched products, used for decode).
+(``decode.decode_step`` is the same update as batched products, used for decode).
 Both are differentiable, so the training script uses them too.
 """
 

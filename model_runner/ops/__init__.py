@@ -1,1 +1,2 @@
-"""Numerical ops: delta-rule recurrences, causal conv, attention; chosen by device at run time."""
+"""The runner's linear-attention dispatch: fla's kernels on CUDA, the C or torch forms of
+``kernels/delta_rule`` on a CPU."""

@@ -99,6 +99,9 @@ class Fp32Weights(StrEnum):
     OFF = "off"
 
 
+FLAGS = {"w_max": "--wmax", "payload": "--int8-checkpoints"}  # fields named unlike their flag
+
+
 def _coerce(config: Any) -> None:
     """A frozen config's enum fields from their values ("lpm" -> SchedulePolicyName.LPM);
     raises ValueError naming the flag and the choices."""
@@ -108,8 +111,9 @@ def _coerce(config: Any) -> None:
             try:
                 object.__setattr__(config, f.name, kind(value))
             except ValueError:
-                raise ValueError(f"--{f.name.replace('_', '-')} must be one of "
-                                 f"{', '.join(k.value for k in kind)}, got {value!r}") from None
+                flag = FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
+                raise ValueError(f"{flag} must be one of {', '.join(k.value for k in kind)}, "
+                                 f"got {value!r}") from None
 
 
 def _enum_of(annotation: Any) -> type[Enum] | None:
@@ -211,8 +215,9 @@ class SchedulingConfig:
 
     def __post_init__(self):
         _coerce(self)
-        _at_least(self, 1, "max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                  "step_target_ms")
+        _at_least(self, 1, "max_total_tokens", "max_running_requests", "chunked_prefill_size")
+        if self.step_target_ms is not None and not self.step_target_ms > 0:
+            raise ValueError(f"--step-target-ms must be > 0 (got {self.step_target_ms})")
         _at_least(self, 0, "checkpoint_interval", "schedule_max_passes", "prefill_mix_ratio",
                   "decode_interleave")
 

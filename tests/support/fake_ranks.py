@@ -1,7 +1,7 @@
 """A CPU stand-in for the ranks that executes every BatchPlan on symbolic contents: each KV row,
 active slot and checkpoint slot holds the identity of the token prefix it encodes, so a wrong
 row, a stale or overwritten checkpoint, or a slot shared by two requests shows up as a
-mismatch.  Used by the scheduler tests through ``scheduler_helpers.Loop``."""
+mismatch.  Used by the scheduler tests through ``support.scheduler_helpers.Loop``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Helpers for the radix cache tests (tests/test_radix_cache*.py) and the scheduler's symbolic
-ranks: building a cache, inserting as a caller must, walking the tree, prefix identities."""
+"""Helpers for the radix cache tests (tests/scheduler/test_radix_cache*.py) and the scheduler's
+symbolic ranks: building a cache, inserting as a caller must, walking the tree, prefix
+identities."""
 
 from __future__ import annotations
 
