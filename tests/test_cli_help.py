@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
 from client.__main__ import build_parser as client_parser
 from dasc_server.flags import build_parser as serve_parser
@@ -26,7 +27,6 @@ from model_runner.quality.study import build_parser as study_parser
 from model_runner.quality.table1b import build_parser as table1b_parser
 from scheduler.wire.ipc import free_port
 
-ROOT = Path(__file__).parent.parent
 TINY = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"
 
 BUILDERS: dict[str, Callable[[], argparse.ArgumentParser]] = {

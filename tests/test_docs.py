@@ -12,9 +12,9 @@ import argparse
 import re
 from pathlib import Path
 
-from dasc_server.flags import build_parser
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+from dasc_server.flags import build_parser
 
 
 def _default(action: argparse.Action) -> str:

@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import ROOT
+
 PACKAGES = ("client", "dasc_server", "kernels", "loadgen", "model_runner", "scheduler")
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import ROOT
+
 FOLDERS = ("client", "dasc_server", "kernels", "loadgen", "model_runner", "scheduler", "scripts",
            "tests")
 MAX_LINES = 600

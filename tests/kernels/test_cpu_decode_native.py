@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support.paths import ROOT
 
 from kernels import native_build
 from kernels.delta_rule import cpu_decode as delta_native
@@ -28,7 +28,6 @@ from kernels.short_conv import naive as short_conv
 from kernels.short_conv.cpu import conv_in_place
 from kernels.short_conv.naive import _columns, conv_decode, conv_decode_into, conv_varlen
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(delta_native.native_library() is None
                                 or conv_native.native_library() is None,
                                 reason="no C compiler here")

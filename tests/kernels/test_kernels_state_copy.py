@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from support.paths import ROOT
 
 from kernels.int8_quant.naive import dequantize_int8_ref, quantize_int8_ref
 from kernels.ragged_state import build_unit_index
@@ -27,7 +27,6 @@ from model_runner.checkpoints.pool import CheckpointPool
 from model_runner.compression.plan import ModelIdentity, dense_plan
 from model_runner.config import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_SLOTS, NUM_CKPT = 7, 5
 SRC, DST = torch.tensor([5, 1, 3]), torch.tensor([4, 0, 2])  # unsorted, not contiguous
 

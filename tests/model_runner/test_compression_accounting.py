@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.paths import DATA
 
 from model_runner.compression.accounting import (
     conv_bytes_per_rank,
@@ -21,7 +22,7 @@ from model_runner.compression.horizons import random_decay_params, static_horizo
 from model_runner.compression.plan import ModelIdentity, PlanError, dasc_plan, dense_plan
 from model_runner.config import ModelConfig
 
-CONFIGS = Path(__file__).parents[1] / "data" / "configs"
+CONFIGS = DATA / "configs"
 KIMI = CONFIGS / "kimi-linear-48b-a3b-instruct"
 QWEN = CONFIGS / "qwen3-next-80b-a3b-instruct"
 

@@ -5,12 +5,11 @@ Multi-rank balancing over gloo lives in test_compression_dist.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.paths import DATA
 
 from model_runner.checkpoints import pool as checkpoint_pool
 from model_runner.checkpoints.pool import CheckpointFormat, CheckpointPool
@@ -26,14 +25,14 @@ from model_runner.compression.plan import (
 )
 from model_runner.config import ModelConfig
 
-DATA = Path(__file__).parents[1] / "data" / "compression"
+COMPRESSION = DATA / "compression"
 FORMATS = [CheckpointFormat(layout, payload, placement)
            for layout in ("ragged", "padded") for payload in ("fp32", "int8")
            for placement in ("off", "storage", "hybrid")]
 
 
 def load_cfg(name: str) -> ModelConfig:
-    return ModelConfig.from_dir(DATA / name)
+    return ModelConfig.from_dir(COMPRESSION / name)
 
 
 def active_state(cfg: ModelConfig, slots: int, tp_size: int = 1, seed: int = 0):

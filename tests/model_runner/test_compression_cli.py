@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
+from support.paths import DATA, ROOT
 
 from model_runner.compression.analysis.plan_cli import main
 from model_runner.compression.horizons import random_decay_params
 from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import decay_tensor_names, load_decay_params
 from model_runner.config import ModelConfig
-
-DATA = Path(__file__).parents[1] / "data"
-ROOT = Path(__file__).parents[2]
 
 
 def dasc_plan_cli(*args: str) -> subprocess.CompletedProcess:

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT, SUPPORT
 
-WORKER = Path(__file__).parents[1] / "support" / "compression_dist_worker.py"
+WORKER = SUPPORT / "compression_dist_worker.py"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -23,7 +24,7 @@ def test_store_load_across_ranks(tmp_path: Path, world: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", str(WORKER), str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
-                          cwd=Path(__file__).parents[2])
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     checks = reports[0]["checks"]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.paths import DATA
 
 from model_runner.compression.accounting import report_plan, unit_bytes
 from model_runner.compression.balance import balance_storage
@@ -23,8 +23,6 @@ from model_runner.compression.placement import (
 )
 from model_runner.compression.plan import ModelIdentity, PlanError, dasc_plan
 from model_runner.config import ModelConfig
-
-DATA = Path(__file__).parents[1] / "data"
 
 
 def gdn_config(layers: int, key_heads: int, ratio: int, k: int = 4, v: int = 4) -> ModelConfig:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from support.paths import DATA
 
 from model_runner.compression.horizons import (
     DecayParams,
@@ -30,15 +31,15 @@ from model_runner.compression.weights import decay_tensor_names, load_decay_para
 from model_runner.config import ModelConfig
 from model_runner.model_files import WeightsError
 
-DATA = Path(__file__).parents[1] / "data" / "compression"
+COMPRESSION = DATA / "compression"
 
 
 def gdn() -> ModelConfig:
-    return ModelConfig.from_dir(DATA / "tiny-gdn")
+    return ModelConfig.from_dir(COMPRESSION / "tiny-gdn")
 
 
 def kda() -> ModelConfig:
-    return ModelConfig.from_dir(DATA / "tiny-kda")
+    return ModelConfig.from_dir(COMPRESSION / "tiny-kda")
 
 
 def write_decay(cfg: ModelConfig, params: DecayParams, model_dir: Path, shards: int = 1) -> None:
@@ -52,7 +53,7 @@ def write_decay(cfg: ModelConfig, params: DecayParams, model_dir: Path, shards: 
         tensors[dt_name] = params.dt_bias[i].clone()
     tensors["model.embed_tokens.weight"] = torch.zeros(4, 4)
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text((DATA / ("tiny-kda" if cfg.is_kda else "tiny-gdn")
+    (model_dir / "config.json").write_text((COMPRESSION / ("tiny-kda" if cfg.is_kda else "tiny-gdn")
                                             / "config.json").read_text())
     names = sorted(tensors)
     if shards == 1:
@@ -182,7 +183,7 @@ def test_plan_json_round_trip_and_identity(tmp_path: Path) -> None:
        "num_heads": 4, "head_dim": 16}}, "key_head_dim")],
 )
 def test_plan_for_another_geometry_is_rejected(change, field) -> None:
-    raw = {**json.loads((DATA / "tiny-kda" / "config.json").read_text()), **change}
+    raw = {**json.loads((COMPRESSION / "tiny-kda" / "config.json").read_text()), **change}
     plan = dense_plan(ModelIdentity.of(kda()))
     with pytest.raises(PlanError, match=f"does not match the model: .*{field}"):
         plan.check_config(ModelConfig.from_dict(raw))

@@ -9,11 +9,9 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
+from support.paths import ROOT
 from support.serving import ipc_pair
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scheduler_imports_no_torch():

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from transformers import AutoTokenizer
 
-ASSET = Path(__file__).parents[2] / "model_runner" / "assets" / "kimi-linear-tiny"
+from support.paths import ROOT
+
+ASSET = ROOT / "model_runner" / "assets" / "kimi-linear-tiny"
 
 
 def tiny_tokenizer():

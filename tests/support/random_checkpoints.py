@@ -18,6 +18,8 @@ sys.modules.setdefault("fla", None)  # transformers' pure-torch path on CPU
 
 import torch  # noqa: E402
 
+from support.paths import ROOT  # noqa: E402
+
 
 def _spread_decay(module_a_log: torch.Tensor, module_dt_bias: torch.Tensor, gen) -> None:
     a = torch.empty(module_a_log.shape).uniform_(1.0, 16.0, generator=gen).log()
@@ -214,7 +216,7 @@ def make_served_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides
     files and its 259 ids, <pad> 256, <eos> 258) beside a ``make_model`` checkpoint."""
     import shutil
 
-    assets = Path(__file__).resolve().parents[2] / "model_runner" / "assets" / "qwen3-next-tiny"
+    assets = ROOT / "model_runner" / "assets" / "qwen3-next-tiny"
     out_dir = Path(out_dir)
     model = make_model(arch, out_dir, seed, vocab_size=259, pad_token_id=256, eos_token_id=258,
                        **overrides)
