@@ -286,13 +286,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         cache_tier_dir=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
         cache_tier_bytes=a.cache_tier_bytes, cache_tier_eviction=a.cache_tier_eviction,
         host_tier_bytes=a.host_tier_bytes)
-    spec = dict(selection=a.selection, mask_seed=a.mask_seed, placement=a.placement,
-                payload=Payload.INT8 if a.int8_checkpoints else Payload.FP32,
-                load_policy=a.load_policy)
-    CheckpointSpec(w_max=a.wmax, **spec)
     w_max = choose_w_max(a) if a.target_slots is not None else a.wmax
+    checkpoints = CheckpointSpec(
+        w_max=w_max, selection=a.selection, mask_seed=a.mask_seed, placement=a.placement,
+        payload=Payload.INT8 if a.int8_checkpoints else Payload.FP32, load_policy=a.load_policy)
     return ServeConfig(model=a.model, ranks=ranks, scheduling=scheduling,
-                       checkpoints=CheckpointSpec(w_max=w_max, **spec), tier=tier)
+                       checkpoints=checkpoints, tier=tier)
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -25,6 +25,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 KERNELS = Path(__file__).parent  # the headers the sources include ("../cpu_simd.h")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fno-fast-math", "-ffp-contract=off")
 I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -134,11 +136,9 @@ def load_library(source: Path, name: str, signatures: dict[str, tuple], what: st
     return lib
 
 
-def check_slots(slots: list[int], num_slots: int):
+def check_slots(slots: list[int], num_slots: int) -> torch.Tensor:
     """``slots`` as an int64 tensor for a kernel that indexes a pool of ``num_slots`` with them
     unchecked; raises IndexError for one outside it."""
-    import torch
-
     if slots and (min(slots) < 0 or max(slots) >= num_slots):  # the C code trusts them
         raise IndexError(f"state slots {slots} outside [0, {num_slots})")
     return torch.tensor(slots, dtype=torch.long)

@@ -43,21 +43,22 @@ class SchedulePolicy:
     """A step's prefill order, by the scheduling config's policy fields (the default, lpm,
     measured best: docs/results/serving.md, "Schedule policies")."""
 
-    __slots__ = ("decode_interleave", "schedule_max_passes", "prefill_mix_ratio", "lpm")
+    __slots__ = ("cfg",)
 
     def __init__(self, cfg: SchedulingConfig):
-        self.decode_interleave = cfg.decode_interleave
-        self.schedule_max_passes = cfg.schedule_max_passes
-        self.prefill_mix_ratio = cfg.prefill_mix_ratio
-        self.lpm = cfg.schedule_policy is SchedulePolicyName.LPM
+        self.cfg = cfg
+
+    @property
+    def lpm(self) -> bool:
+        return self.cfg.schedule_policy is SchedulePolicyName.LPM
 
     def takes_prefill(self, decoding: bool, decode_only_run: int) -> bool:
         """Whether a step may carry prefill, given whether any request decodes and how many
         decode-only steps ran since the last step that carried prefill."""
-        return not decoding or decode_only_run >= self.decode_interleave
+        return not decoding or decode_only_run >= self.cfg.decode_interleave
 
     def is_overdue(self, r: Req) -> bool:
-        return r.num_passed >= self.schedule_max_passes
+        return r.num_passed >= self.cfg.schedule_max_passes
 
     def order(self, running: list[Req], waiting: Iterable[Req],
               remaining: Callable[[Req], int]) -> list[Req]:
@@ -77,13 +78,13 @@ class SchedulePolicy:
 
     @property
     def can_defer(self) -> bool:
-        return self.lpm and self.prefill_mix_ratio > 0
+        return self.lpm and self.cfg.prefill_mix_ratio > 0
 
     def defers(self, r: Req, chunk_len: int, longest_chunk: int) -> bool:
         """lpm: keep a chunk out of a step whose prefill chunks are all much shorter."""
         if not self.can_defer or longest_chunk == 0:
             return False
-        return chunk_len > self.prefill_mix_ratio * longest_chunk and not self.is_overdue(r)
+        return chunk_len > self.cfg.prefill_mix_ratio * longest_chunk and not self.is_overdue(r)
 
 
 def count_passes(skipped: list[Req], served: list[Req]) -> None:
