@@ -112,22 +112,89 @@ static void gemm_avx512(int64_t M, int64_t N, int64_t Kd, const float *A, int64_
     }
 }
 
-/* combine_portable's result for n % 16 == 0, y held in registers 64 floats at a time. */
+/* combine_portable's result for n % 16 == 0, y held in registers 128 floats at a time: each
+ * element is one fma chain over j, so the eight chains of a block keep both FMA units busy
+ * where four left them waiting on each other's latency. */
+#define COMBINE_BLOCK(NV)                                                                     \
+    do {                                                                                      \
+        __m512 acc[NV];                                                                       \
+        for (int t = 0; t < NV; ++t)                                                          \
+            acc[t] = _mm512_loadu_ps(y + c0 + 16 * t);                                        \
+        for (int64_t j = 0; j < m; ++j) {                                                     \
+            const __m512 a = _mm512_set1_ps(coef[j]);                                         \
+            for (int t = 0; t < NV; ++t)                                                      \
+                acc[t] = _mm512_fmadd_ps(a, _mm512_loadu_ps(X + j * ldx + c0 + 16 * t), acc[t]); \
+        }                                                                                     \
+        for (int t = 0; t < NV; ++t)                                                          \
+            _mm512_storeu_ps(y + c0 + 16 * t, acc[t]);                                        \
+    } while (0)
+
 __attribute__((target("avx512f,fma")))
 static void combine_avx512(int64_t n, int64_t m, const float *coef, const float *X,
                            int64_t ldx, float *y) {
-    for (int64_t c0 = 0; c0 < n; c0 += 64) {
-        const int64_t nv = n - c0 >= 64 ? 4 : (n - c0) / 16;
-        __m512 acc[4];
-        for (int t = 0; t < nv; ++t)
-            acc[t] = _mm512_loadu_ps(y + c0 + 16 * t);
-        for (int64_t j = 0; j < m; ++j) {
-            const __m512 a = _mm512_set1_ps(coef[j]);
-            for (int t = 0; t < nv; ++t)
-                acc[t] = _mm512_fmadd_ps(a, _mm512_loadu_ps(X + j * ldx + c0 + 16 * t), acc[t]);
-        }
-        for (int t = 0; t < nv; ++t)
-            _mm512_storeu_ps(y + c0 + 16 * t, acc[t]);
+    int64_t c0 = 0;
+    for (; c0 + 128 <= n; c0 += 128)
+        COMBINE_BLOCK(8);
+    for (; c0 + 64 <= n; c0 += 64)
+        COMBINE_BLOCK(4);
+    for (; c0 < n; c0 += 16)
+        COMBINE_BLOCK(1);
+}
+
+/* The chunk's elementwise passes (kernels below), 16 lanes at a time, each lane the scalar
+ * form's operations in its order (no fused multiply-adds), so both give the same bits. */
+#define LANES(n, j) (__mmask16)((n) - (j) >= 16 ? 0xffff : (1u << ((n) - (j))) - 1)
+
+/* dst[r * ldd + i] = src[i * lds + r], i < rows, r < cols: a transpose by 16-row gathers. */
+__attribute__((target("avx512f")))
+static void transpose_avx512(const float *src, int64_t lds, int64_t rows, int64_t cols,
+                             float *dst, int64_t ldd) {
+    const __m512i step = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                             6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)lds));
+    for (int64_t i = 0; i < rows; i += 16) {
+        const __mmask16 keep = LANES(rows, i);
+        for (int64_t r = 0; r < cols; ++r)
+            _mm512_mask_storeu_ps(dst + r * ldd + i, keep,
+                                  _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, step,
+                                                           src + i * lds + r, 4));
+    }
+}
+
+/* y[j] = x[j] * f, j < n. */
+__attribute__((target("avx512f")))
+static void scale_avx512(const float *x, float f, int64_t n, float *y) {
+    const __m512 fv = _mm512_set1_ps(f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 keep = LANES(n, j);
+        _mm512_mask_storeu_ps(y + j, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, x + j), fv));
+    }
+}
+
+/* y[j] = (f * a[j]) * b[j], j < n, negated where neg. */
+__attribute__((target("avx512f")))
+static void scale2_avx512(float f, const float *a, const float *b, int64_t n, int neg,
+                          float *y) {
+    const __m512 fv = _mm512_set1_ps(f);
+    const __m512i sign = _mm512_set1_epi32(neg ? (int)0x80000000u : 0);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 keep = LANES(n, j);
+        const __m512 p = _mm512_mul_ps(_mm512_mul_ps(fv, _mm512_maskz_loadu_ps(keep, a + j)),
+                                       _mm512_maskz_loadu_ps(keep, b + j));
+        _mm512_mask_storeu_ps(y + j, keep,
+                              _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(p), sign)));
+    }
+}
+
+/* y[c] = (v[c] - p[c] * e) * b, c < n. */
+__attribute__((target("avx512f")))
+static void rhs_avx512(const float *v, const float *p, float e, float b, int64_t n, float *y) {
+    const __m512 ev = _mm512_set1_ps(e), bv = _mm512_set1_ps(b);
+    for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 keep = LANES(n, c);
+        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(keep, v + c),
+                                       _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, p + c), ev));
+        _mm512_mask_storeu_ps(y + c, keep, _mm512_mul_ps(d, bv));
     }
 }
 #endif
@@ -159,64 +226,122 @@ static void combine(const Ops *ops, int64_t n, int64_t m, const float *coef, con
     combine_portable(n, m, coef, X, ldx, y);
 }
 
-/* Scratch floats one worker needs for chunk size C (padded to Cp columns), K, V. */
-static int64_t scratch_floats(int64_t C, int64_t Cp, int64_t K, int64_t V) {
-    return 2 * K * Cp + 2 * C * Cp + 3 * C * V + 3 * C * C + 2 * C;
+static void transpose(const Ops *ops, const float *src, int64_t lds, int64_t rows,
+                      int64_t cols, float *dst, int64_t ldd) {
+#ifdef HAVE_X86
+    if (ops->simd) {
+        transpose_avx512(src, lds, rows, cols, dst, ldd);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t r = 0; r < cols; ++r)
+            dst[r * ldd + i] = src[i * lds + r];
 }
 
-/* One (sequence, head): tokens [t0, t1), state S advanced in place, o rows written. */
+static void scale(const Ops *ops, const float *x, float f, int64_t n, float *y) {
+#ifdef HAVE_X86
+    if (ops->simd) {
+        scale_avx512(x, f, n, y);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j)
+        y[j] = x[j] * f;
+}
+
+static void scale2(const Ops *ops, float f, const float *a, const float *b, int64_t n, int neg,
+                   float *y) {
+#ifdef HAVE_X86
+    if (ops->simd) {
+        scale2_avx512(f, a, b, n, neg, y);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j)
+        y[j] = neg ? -(f * a[j] * b[j]) : f * a[j] * b[j];
+}
+
+static void rhs(const Ops *ops, const float *v, const float *p, float e, float b, int64_t n,
+                float *y) {
+#ifdef HAVE_X86
+    if (ops->simd) {
+        rhs_avx512(v, p, e, b, n, y);
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < n; ++c)
+        y[c] = (v[c] - p[c] * e) * b;
+}
+
+/* Rows i < L of out (ldo apart) add sum over j < i + diag of W[i][j] X_j (W's rows ldw apart,
+ * X's V), each element by one fma chain over j in order, a block of TRI rows at a time: the
+ * terms every row of the block has are one product (gemm, adding to the rows as they are),
+ * the rest go row by row.  diag = 0 with out == X is the forward substitution: X_j is final
+ * before a row reads it. */
+#define TRI 8
+static void triangle(const Ops *ops, int64_t L, const float *W, int64_t ldw, int64_t diag,
+                     const float *X, int64_t V, float *out, int64_t ldo) {
+    for (int64_t i0 = 0; i0 < L; i0 += TRI) {
+        const int64_t rows = L - i0 < TRI ? L - i0 : TRI, shared = i0 + diag;
+        if (shared > 0)
+            gemm(ops, rows, V, shared, W + i0 * ldw, ldw, X, V, out + i0 * ldo, ldo, 1, 1.0f);
+        for (int64_t i = i0 + 1; i < i0 + rows; ++i)
+            combine(ops, V, i - i0, W + i * ldw + shared, X + shared * V, V, out + i * ldo);
+    }
+}
+
+/* Scratch floats one worker needs for chunk size C (padded to Cp columns), K, V. */
+static int64_t scratch_floats(int64_t C, int64_t Cp, int64_t K, int64_t V) {
+    return 2 * K * Cp + 2 * C * K + 2 * C * Cp + 3 * C * V + 3 * C * C + 2 * C;
+}
+
+/* One (sequence, head): tokens [t0, t1), state S advanced in place, o rows written.  The
+ * chunk's k and q rows are copied next to each other first, so that k_i . k_j and q_i . k_j
+ * are one product and K S and Q S another. */
 static void run_head(const Ops *ops, const float *q, const float *k, int64_t qk_stride,
                      const float *v, const float *g, const float *beta, int64_t H, int64_t h,
-                     int64_t K, int64_t V, float scale, int64_t C, int64_t t0, int64_t t1,
+                     int64_t K, int64_t V, float scale_, int64_t C, int64_t t0, int64_t t1,
                      float *S, float *o, float *work) {
     const int64_t Cp = (C + 15) / 16 * 16;
-    float *kt = work, *kts = kt + K * Cp, *kk = kts + K * Cp, *qk = kk + C * Cp;
-    float *P = qk + C * Cp, *Qs = P + C * V, *n = Qs + C * V;
+    float *kt = work, *kts = kt + K * Cp, *kq = kts + K * Cp, *dots = kq + 2 * C * K;
+    float *PQ = dots + 2 * C * Cp, *n = PQ + 2 * C * V;
     float *D = n + C * V, *coef = D + C * C, *wq = coef + C * C, *E = wq + C * C, *a = E + C;
     for (int64_t c0 = t0; c0 < t1; c0 += C) {
         const int64_t L = t1 - c0 < C ? t1 - c0 : C;
-        const float *kr = k + c0 * qk_stride, *qr = q + c0 * qk_stride;
+        /* kq [2L, K]: the chunk's k rows, then its q rows */
+        for (int64_t i = 0; i < L; ++i) {
+            memcpy(kq + i * K, k + (c0 + i) * qk_stride, (size_t)K * sizeof(float));
+            memcpy(kq + (L + i) * K, q + (c0 + i) * qk_stride, (size_t)K * sizeof(float));
+        }
         /* the chunk's keys transposed, zero beyond L: kt [K, Cp] */
-        memset(kt, 0, (size_t)(K * Cp) * sizeof(float));
-        for (int64_t i = 0; i < L; ++i)
-            for (int64_t r = 0; r < K; ++r)
-                kt[r * Cp + i] = kr[i * qk_stride + r];
-        gemm(ops, L, Cp, K, kr, qk_stride, kt, Cp, kk, Cp, 0, 0.0f); /* k_i . k_j */
-        gemm(ops, L, Cp, K, qr, qk_stride, kt, Cp, qk, Cp, 0, 0.0f); /* q_i . k_j */
-        gemm(ops, L, V, K, kr, qk_stride, S, V, P, V, 0, 0.0f);
-        gemm(ops, L, V, K, qr, qk_stride, S, V, Qs, V, 0, 0.0f);
+        if (L < Cp)
+            memset(kt, 0, (size_t)(K * Cp) * sizeof(float));
+        transpose(ops, kq, K, L, K, kt, Cp);
+        gemm(ops, 2 * L, Cp, K, kq, K, kt, Cp, dots, Cp, 0, 0.0f); /* k_i . k_j, q_i . k_j */
+        gemm(ops, 2 * L, V, K, kq, K, S, V, PQ, V, 0, 0.0f);       /* K S, Q S */
+        const float *kk = dots, *qk = dots + L * Cp, *P = PQ, *Qs = PQ + L * V;
         for (int64_t i = 0; i < L; ++i)
             a[i] = expf(g[(c0 + i) * H + h]);
         for (int64_t i = 0; i < L; ++i) {
             E[i] = i ? E[i - 1] * a[i] : a[i];
+            if (i)
+                scale(ops, D + (i - 1) * C, a[i], i, D + i * C);
             D[i * C + i] = 1.0f;
-            for (int64_t j = 0; j < i; ++j)
-                D[i * C + j] = D[(i - 1) * C + j] * a[i];
         }
         for (int64_t i = 0; i < L; ++i) {
             const float b = beta[(c0 + i) * H + h];
-            const float *vi = v + (c0 + i) * H * V, *pi = P + i * V;
-            float *ni = n + i * V;
-            for (int64_t c = 0; c < V; ++c)
-                ni[c] = (vi[c] - pi[c] * E[i]) * b;
-            for (int64_t j = 0; j < i; ++j)
-                coef[i * C + j] = -(b * D[i * C + j] * kk[i * Cp + j]);
-            for (int64_t j = 0; j <= i; ++j)
-                wq[i * C + j] = scale * D[i * C + j] * qk[i * Cp + j];
+            rhs(ops, v + (c0 + i) * H * V, P + i * V, E[i], b, V, n + i * V);
+            scale2(ops, b, D + i * C, kk + i * Cp, i, 1, coef + i * C);
+            scale2(ops, scale_, D + i * C, qk + i * Cp, i + 1, 0, wq + i * C);
         }
-        for (int64_t i = 1; i < L; ++i)
-            combine(ops, V, i, coef + i * C, n, V, n + i * V);
-        for (int64_t i = 0; i < L; ++i) {
-            float *oi = o + (c0 + i) * H * V;
-            const float e = scale * E[i], *qi = Qs + i * V;
-            for (int64_t c = 0; c < V; ++c)
-                oi[c] = qi[c] * e;
-            combine(ops, V, i + 1, wq + i * C, n, V, oi);
-        }
+        triangle(ops, L, coef, C, 0, n, V, n, V);
+        for (int64_t i = 0; i < L; ++i)
+            scale(ops, Qs + i * V, scale_ * E[i], V, o + (c0 + i) * H * V);
+        triangle(ops, L, wq, C, 1, n, V, o + c0 * H * V, H * V);
         /* S <- S E_{L-1} + (D[L-1][i] k_i)^T n */
         for (int64_t r = 0; r < K; ++r)
-            for (int64_t i = 0; i < L; ++i)
-                kts[r * Cp + i] = kt[r * Cp + i] * D[(L - 1) * C + i];
+            scale2(ops, 1.0f, kt + r * Cp, D + (L - 1) * C, L, 0, kts + r * Cp);
         gemm(ops, K, V, L, kts, Cp, n, V, S, V, 1, E[L - 1]);
     }
 }
