@@ -63,8 +63,9 @@ void dasc_conv_decode(void *pool, int64_t slot_stride, const int64_t *slots, int
  * ([C, width], channel-major).  Token t's sum reads [state ; x] rows t to t + width, the
  * first width tokens partly from the state, the rest from x rows alone.  Each token's row of
  * sums goes to out [N, C] FP32, or, with out_bf16, rounded to bf16 (to nearest even, as
- * torch rounds) through the scratch row: a chunk's FP32 sums would be a fresh buffer every
- * call (33 MB for 1,024 tokens of 8,192 channels, ~15 ms of page faults to write). */
+ * torch rounds), straight from the registers (the first width tokens through the scratch
+ * row): a chunk's FP32 sums would be a fresh buffer every call (33 MB for 1,024 tokens of
+ * 8,192 channels, ~15 ms of page faults to write). */
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
@@ -78,22 +79,19 @@ static void window_row(const void *r, int64_t x_stride, int64_t C, int64_t width
 }
 
 #ifdef HAVE_X86
-/* window_row for C a multiple of 16: sixteen channels at a time, the taps in registers. */
-__attribute__((target("avx512f,fma")))
+/* window_row for C a multiple of 16: sixteen channels at a time, the taps in registers, the
+ * sums stored as FP32 or, with round_out, rounded to bf16 (store16: round_bf16's bits). */
+__attribute__((target("avx512f,avx512bw,fma")))
 static void window_row_avx512(const void *r, int64_t x_stride, int64_t C, int64_t width,
-                              const float *w, float *o, int64_t bf16) {
+                              const float *w, void *o, int64_t bf16, int round_out) {
     for (int64_t c = 0; c < C; c += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j <= width; ++j) {
-            const int64_t at = j * x_stride + c;
-            const __m512 e = bf16
-                ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                      _mm256_loadu_si256((const __m256i *)((const uint16_t *)r + at))), 16))
-                : _mm512_loadu_ps((const float *)r + at);
+            const __m512 e = load16(r, j * x_stride + c, (int)bf16);
             const __m512 wj = _mm512_loadu_ps(w + j * C + c);
             acc = j == 0 ? _mm512_mul_ps(e, wj) : _mm512_fmadd_ps(e, wj, acc);
         }
-        _mm512_storeu_ps(o + c, acc);
+        store16(o, c, acc, round_out);
     }
 }
 #endif
@@ -105,7 +103,7 @@ void dasc_conv_prefill(const void *x, int64_t x_stride, const void *states, int6
     const int64_t elem = bf16 ? 2 : 4;
 #ifdef HAVE_X86
     const int fast = C % 16 == 0 && __builtin_cpu_supports("avx512f")
-                     && __builtin_cpu_supports("fma");
+                     && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma");
 #endif
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t a = cu[i], n = cu[i + 1] - a;
@@ -126,11 +124,15 @@ void dasc_conv_prefill(const void *x, int64_t x_stride, const void *states, int6
             } else {
                 const char *r = (const char *)x + (a + t - width) * x_stride * elem;
 #ifdef HAVE_X86
-                if (fast)
-                    window_row_avx512(r, x_stride, C, width, columns, o, bf16);
-                else
+                if (fast) {
+                    window_row_avx512(r, x_stride, C, width, columns,
+                                      out_bf16 ? (void *)(out_bf16 + (a + t) * C)
+                                               : (void *)(out + (a + t) * C),
+                                      bf16, out_bf16 != NULL);
+                    continue;
+                }
 #endif
-                    window_row(r, x_stride, C, width, columns, o, bf16);
+                window_row(r, x_stride, C, width, columns, o, bf16);
             }
             if (out_bf16)
                 for (int64_t c = 0; c < C; ++c)
