@@ -14,7 +14,10 @@ checkpoint slot (one is kept for the chunk's end store) and a scratch slot (its 
 any other that no other sequence of the step uses, settled once the whole step is planned:
 another prefill's end-of-prompt snapshot and a dasc-wr replay take their own); the chunk ends
 at the first point without them.  Any other prefill's chunk ends at its next point, and a full
-pool evicts for one store at a time, each after the previous one is in the tree.  So under
+pool evicts for one store at a time, each after the previous one is in the tree.  Except at an
+interval point in the last half interval of a short remainder (a conversation's next turn, an
+agent's new message: ``_passes``): a chunk that reaches the end runs past it unstored rather
+than cost the prompt another step, the end's checkpoint a few tokens on.  So under
 pressure (no free slot) prompts advance point by point, breadth first: cutting through every
 point of several prompts, evicting for several stores in one step, cost the multi-turn
 eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs through the
@@ -357,7 +360,11 @@ class StepPlanner:
                 if r.computed < b < end and self.table.cache.ckpt_at(r.prompt[:b]) is None]
         inside = [c for c in cuts if r.computed + c < len(r.prompt) - 1]
         if len(inside) > self._cut_room:
-            end, cuts = r.computed + inside[self._cut_room], inside[: self._cut_room]
+            left = inside[self._cut_room :]
+            if end == len(r.prompt) and all(self._passes(r, r.computed + c) for c in left):
+                cuts = [c for c in cuts if c not in left]  # finish; those points go unstored
+            else:
+                end, cuts = r.computed + left[0], inside[: self._cut_room]
         own, base = self._scratch_slot(r), self.cfg.scratch_slot_base
         num_scratch = self.cfg.max_running_requests
         slots = [own] + [x for x in range(base, base + num_scratch) if x != own]
@@ -367,6 +374,20 @@ class StepPlanner:
             self._first = len(plan.seqs)
         self._add_seq(plan, r, end, list(zip(cuts, slots)))
         return end - r.computed
+
+    def _passes(self, r: Req, point: int) -> bool:
+        """Whether a chunk that reaches the prompt's end runs past this store point rather than
+        stop there without a cut for it: an interval point in the last half interval of a
+        short remainder (fewer than an interval of tokens past the request's hit: a
+        conversation's next turn, an agent's new message), neither where a prompt in flight
+        parts from this one nor where this one leaves the tree.  The end's checkpoint, a few
+        tokens on, covers every later prompt but one that branches in between, which then
+        hits at most an interval earlier; stopping would cost the prompt another step."""
+        interval, n = self.cfg.checkpoint_interval, len(r.prompt)
+        return (interval > 0 and point % interval == 0 and n - r.hit_len <= interval
+                and n - 1 - point < interval // 2
+                and point not in self._share_points.get(r.rid, ())
+                and point != self.table.cache.cached_len(r.prompt))
 
     def _settle_first_cuts(self, plan: BatchPlan) -> None:
         """Give the first prefill's cuts the scratch slots no other sequence of the step uses
@@ -378,7 +399,9 @@ class StepPlanner:
         r, own = f.req, self._scratch_slot(f.req)
         used = {slot for q in plan.seqs if q is not f.step for _, slot in q.snapshots}
         used.update(plan.refresh_scratch)
-        slots = [own] + [x for _, x in f.step.snapshots if x != own and x not in used]
+        base = self.cfg.scratch_slot_base
+        slots = [own] + [x for x in range(base, base + self.cfg.max_running_requests)
+                         if x != own and x not in used]
         cuts = [c for c, _ in f.step.snapshots]
         if len(cuts) <= len(slots):
             f.step.snapshots = list(zip(cuts, slots))

@@ -107,3 +107,45 @@ def test_under_pressure_prompts_that_prefill_together_advance_point_by_point():
     assert steps == [[(r, start, 8, []) for r in "ab"] for start in (0, 8, 16)] + [
         [("a", 24, 6, [5]), ("b", 24, 6, [])]]
     assert_drained(s)
+
+
+def test_a_short_next_turn_runs_past_an_interval_point_just_below_its_end():
+    """Two conversations' next turns prefill together, each 7 tokens past its hit (the end
+    checkpoint at 20 of its 21-token first turn) with the interval point 24 two tokens below
+    its end store (26).  The first in the policy's order cuts there (free slots); the other does
+    not stop for it, which would cost it a step: it finishes in the same step, storing only its
+    end, and its next prompt that reaches 24 hits at 26 or at most one interval earlier."""
+    s = make(chunked_prefill_size=64, num_checkpoint_slots=16, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(27, seed=1), prompt_of(27, seed=2)
+    run_one(loop, "a0", a[:21], 1)
+    run_one(loop, "b0", b[:21], 1)
+    first = len(loop.plans)
+    assert loop.add("a1", a, 1) is None and loop.add("b1", b, 1) is None
+    loop.run()
+    steps = [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
+              for q in p.seqs] for p in loop.plans[first:] if p.seqs]
+    assert steps == [[("a1", 20, 7, [4, 6]), ("b1", 20, 7, [6])]]
+    assert s.cache.ckpt_at(a[:24]) is not None and s.cache.ckpt_at(b[:24]) is None
+    assert s.cache.ckpt_at(a[:26]) is not None and s.cache.ckpt_at(b[:26]) is not None
+    assert_drained(s)
+
+
+def test_a_cold_prompt_still_stops_at_a_point_just_below_its_end():
+    """The rule above is for short remainders only: a cold 27-token prompt that prefills beside
+    another stops at 24 as at every point (a first prompt's points may be the prefix later
+    requests share), and stores it."""
+    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(27, seed=1), prompt_of(27, seed=2)
+    run_one(loop, "a0", a[:21], 1)
+    first = len(loop.plans)
+    assert loop.add("a1", a, 1) is None and loop.add("b", b, 1) is None
+    loop.run()
+    b_chunks = [(q.prefix_len, len(q.token_ids)) for p in loop.plans[first:] for q in p.seqs
+                if q.rid == "b"]
+    assert (16, 8) in b_chunks or (0, 24) in b_chunks or any(
+        start + n == 24 for start, n in b_chunks)
+    assert s.cache.ckpt_at(b[:24]) is not None
+    assert_drained(s)
