@@ -121,8 +121,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False,
                 capture: dict | None = None, *, refresh: Refresh | None = None,
-                inputs_checked: bool = False) -> torch.Tensor:
+                inputs_checked: bool = False, logits_of: list[int] | None = None
+                ) -> torch.Tensor:
         """Run one step. Returns logits [num_seqs, vocab] (last token of each sequence), or
+        [len(logits_of), vocab] (of the sequences at those indices, ascending), or
         [num_tokens, vocab] with ``all_logits``.  Fresh sequences (prefix_len 0) start from a
         zeroed state slot.  ``refresh`` (``replays``): dasc-wr replays that run inside this step,
         ahead of ``seqs``, from zeroed scratch slots (``batch.Refresh``); they add no logits.
@@ -144,12 +146,14 @@ class ModelRunner:
             self.state.zero(torch.tensor(fresh, device=self.device))
             self._new_occupants(fresh)
         graphs = self.decode_graphs
+        if logits_of is not None and (all_logits or list(logits_of) == list(range(len(seqs)))):
+            logits_of = None  # every sequence's
         if graphs is not None and refresh is None and graphs.fits(seqs) and capture is None \
-                and not all_logits:
+                and not all_logits and logits_of is None:
             return graphs.run(seqs)
         batch = build_batch(seqs, self.rc.page_size, self.device, refresh)
         ctx = StepContext(batch, self.kv, self.state, capture)
-        return self.model(ctx, all_logits=all_logits)
+        return self.model(ctx, all_logits=all_logits, logits_of=logits_of)
 
     def _check_step(self, seqs: list[SeqInput], everything: list[SeqInput]) -> None:
         """Reject a step that would read or write outside the state pool or let two sequences

@@ -228,20 +228,21 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
                if plan.refresh else None)
     sampled = Sampled([], [], [], [])
     if plan.seqs or refresh is not None:
-        # echo: every position's logits, only in steps with a sequence that asks (lm_head
-        # over all the step's tokens; rank 0 reads only the rows that asked)
+        # logits of the sequences that sample only (none for a chunk inside a prompt); echo:
+        # every position's, only in steps with a sequence that asks (lm_head over all the
+        # step's tokens; rank 0 reads only the rows that asked)
         all_logits = any(s.logprob_targets for s in plan.seqs)
+        rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
         logits = runner.forward([seq(s) for s in plan.seqs], all_logits=all_logits,
-                                refresh=refresh, inputs_checked=True)
+                                refresh=refresh, inputs_checked=True, logits_of=rows)
         if runner.tp.is_first:
             if all_logits:
                 logits, sampled = _last_rows(logits, plan.seqs), _targets(logits, plan.seqs)
-            rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
+                logits = logits[rows]  # rows ascend
             if rows:
                 specs = [plan.seqs[i].sample for i in rows]
                 rids = [plan.seqs[i].rid for i in rows]
-                batch = logits if len(rows) == len(logits) else logits[rows]  # rows ascend
-                got = sample_tokens(batch, specs, controls.for_batch(rids, specs, batch))
+                got = sample_tokens(logits, specs, controls.for_batch(rids, specs, logits))
                 sampled = got._replace(target_logprobs=sampled.target_logprobs,
                                        target_top_ids=sampled.target_top_ids,
                                        target_top_logprobs=sampled.target_top_logprobs)

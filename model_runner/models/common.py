@@ -181,10 +181,13 @@ class HybridForCausalLM(nn.Module):
         self.model = Backbone(cfg, tp, dtype, layers, norm or default_norm(cfg, dtype))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
-    def forward(self, ctx: StepContext, all_logits: bool = False) -> torch.Tensor:
-        """Logits of the step's sequences.  dasc-wr replays (``batch.Refresh``) leave the batch
-        after the last linear layer's mixer: past it nothing reads them, so they skip its MLP
-        and every later layer."""
+    def forward(self, ctx: StepContext, all_logits: bool = False,
+                logits_of: list[int] | None = None) -> torch.Tensor:
+        """Logits of the step's sequences (of those listed in ``logits_of``, in its order: a
+        prefill chunk nobody samples from needs none, and at a large vocabulary the LM head
+        reads as much as the rest of a decode step: 0.5 GB at Qwen3.5's 248k tokens).
+        dasc-wr replays (``batch.Refresh``) leave the batch after the last linear layer's
+        mixer: past it nothing reads them, so they skip its MLP and every later layer."""
         x = self.model.embed_tokens(ctx.batch.token_ids)
         for i, layer in enumerate(self.model.layers):
             if i != self.last_linear or not ctx.batch.num_replays:
@@ -195,8 +198,14 @@ class HybridForCausalLM(nn.Module):
             if x.shape[0] == 0:  # replays alone (the same on every rank)
                 return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
             x = layer.feed_forward(x, ctx)
-        if not all_logits and not ctx.batch.is_decode:  # decode: every token is a last token
-            x = x[ctx.batch.last_token_index.to(x.device)]
+        if not all_logits:
+            rows = ctx.batch.last_token_index  # decode: every token is a last token
+            if logits_of is not None:
+                if not logits_of:
+                    return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+                rows = rows[torch.tensor(logits_of, dtype=torch.long)]
+            if logits_of is not None or not ctx.batch.is_decode:
+                x = x[rows.to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 
     @classmethod

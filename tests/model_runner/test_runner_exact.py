@@ -153,3 +153,31 @@ def test_serving_rank_checks_a_row_table_when_it_arrives(tmp_path):
     decoded, _ = execute(runner, step, tables)
     expect = runner.forward([SeqInput(tokens, 9, list(range(10)), 2)]).argmax(-1).tolist()
     assert decoded == expect
+
+
+def test_logits_of_the_sampled_sequences_only(tmp_path):
+    """``logits_of``: the rows of the listed sequences, those of the full step to FP32 rounding
+    (the same hidden states; the LM head's GEMM may order a sum differently for another number
+    of rows, as for another decode batch), and none at all for a step whose chunks nobody
+    samples, whose states still advance bit for bit as in the full step."""
+    from model_runner.batch import SeqInput
+
+    make_model("gdn", tmp_path)
+    runner = make_runner(str(tmp_path))
+    a, b, c = prompts(96, (9, 7, 5))
+
+    def step(slot0: int, **kw):
+        return runner.forward([SeqInput(a, 0, [0, 1, 2], slot0), SeqInput(b, 0, [3, 4, 5],
+                                                                           slot0 + 1),
+                               SeqInput(c, 0, [6, 7], slot0 + 2)], **kw)
+
+    full = step(1)
+    for rows in ([0, 2], [1], [1, 2]):
+        got = step(1, logits_of=rows)
+        assert got.shape == (len(rows), full.shape[1])
+        torch.testing.assert_close(got, full[rows], rtol=1e-5, atol=1e-5 * full.abs().max())
+    assert torch.equal(step(1, logits_of=[0, 1, 2]), full)
+    none = step(4, logits_of=[])
+    assert none.shape == (0, full.shape[1])
+    for slot in (1, 2, 3):
+        assert torch.equal(runner.read_state(slot + 3).temporal, runner.read_state(slot).temporal)
