@@ -6,7 +6,9 @@
     torchrun --standalone --nproc-per-node 2 -m model_runner.bench.runner_speed ...
 
 Rank 0 prints one JSON line for the machine (torch's CPU capability, whether the CPU has native
-bf16 dot products), then one per measurement (median of --repeats).  ``--profile N`` adds the
+bf16 dot products), then one per measurement (median of --repeats).  ``--kernel-times`` adds
+to each prefill and decode line the milliseconds spent inside each CPU kernel (``KERNELS``)
+per forward, the median over the timed forwards.  ``--profile N`` adds the
 torch profiler's top N operators by self time over one more prefill (with ``--mixed-chunks``,
 over one more step of the first mixed chunk instead).  Real-shape models come from
 ``python -m model_runner.bench.real_shape_models``.
@@ -15,10 +17,12 @@ over one more step of the first mixed chunk instead).  Real-shape models come fr
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 
@@ -29,6 +33,47 @@ from model_runner.cpu_features import cpu_has_native_bf16
 from model_runner.parallel import init_tp_group, rank_device, shutdown_tp_group
 from model_runner.rank_args import fp32_weights
 from model_runner.runner import ModelRunner, RunnerConfig
+
+# The CPU kernels --kernel-times clocks, each where the model looks it up: (module, name).
+KERNELS = {
+    "delta_rule_chunk": ("model_runner.ops.linear_attention", "chunk_in_pool"),
+    "delta_rule_decode": ("kernels.delta_rule.decode", "delta_rule_in_place"),
+    "conv_prefill_sums": ("kernels.short_conv.naive", "conv_window_sums"),
+    "conv_decode": ("kernels.short_conv.naive", "conv_in_place"),
+    "attention_decode": ("model_runner.layers.attention", "attention_decode"),
+    "moe_decode": ("model_runner.layers.mlp", "moe_decode"),
+    "silu_mul": ("model_runner.layers.mlp", "silu_mul"),
+}
+
+
+class KernelClock:
+    """Seconds inside each of ``KERNELS`` since the last ``take()``: each name in its module is
+    replaced by a wrapper that times the call (this process only; off unless installed)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        for label, (module, name) in KERNELS.items():
+            mod = importlib.import_module(module)
+            setattr(mod, name, self._timed(label, getattr(mod, name)))
+
+    def _timed(self, label: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[label] += time.perf_counter() - start
+        return timed
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = self.spent, defaultdict(float)
+        return spent
+
+
+def kernel_ms(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Median milliseconds per forward of each kernel that ran."""
+    labels = sorted({k for s in samples for k in s})
+    return {k: round(1000 * statistics.median(s.get(k, 0.0) for s in samples), 3) for k in labels}
 
 
 def main() -> None:
@@ -57,6 +102,8 @@ def main() -> None:
                         "of another sequence, as a serving step that mixes them")
     p.add_argument("--mixed-decodes", type=int, default=1, metavar="B",
                    help="decoding sequences beside each --mixed-chunks prefill chunk")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="report the time inside each CPU kernel per prefill and decode step")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the top N operators of one prefill, or of one step of the "
                         "first --mixed-chunks size (torch profiler)")
@@ -94,16 +141,22 @@ def main() -> None:
            native_bf16=cpu_has_native_bf16(), threads=torch.get_num_threads(),
            model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype,
            gemm_weight_bytes=runner.gemm_weight_bytes)
-    times = []
+    clock = KernelClock() if args.kernel_times else None
+    times, spent = [], []
     for _ in range(args.repeats):
         tp.barrier()
+        if clock:
+            clock.take()
         start = time.perf_counter()
         runner.forward([SeqInput(prompt, 0, tables[0], 1)])
         sync(device)
         times.append(time.perf_counter() - start)
+        if clock:
+            spent.append(clock.take())
     report(tp, kind="prefill", tp_size=tp.size, device=str(device), tokens=args.prompt_len,
            seconds=statistics.median(times),
-           tokens_per_s=args.prompt_len / statistics.median(times))
+           tokens_per_s=args.prompt_len / statistics.median(times),
+           **({"kernel_ms": kernel_ms(spent)} if clock else {}))
 
     if args.profile and tp.is_first and not args.mixed_chunks:
         from torch.profiler import profile
@@ -119,6 +172,7 @@ def main() -> None:
         seqs = [SeqInput(short, 0, tables[i], i + 1) for i in range(batch)]
         runner.forward(seqs)
         steps: dict[bool, list[float]] = {True: [], False: []}
+        spent = []  # the kernels' times of the steps with the kernels on
         for i in range(num_steps):
             native = args.native_kernels == "on" or (args.native_kernels == "alternate"
                                                      and i % 2 == 1)
@@ -127,12 +181,18 @@ def main() -> None:
                 s.prefix_len += len(s.token_ids)
                 s.token_ids = [7]
             tp.barrier()
+            if clock:
+                clock.take()
             start = time.perf_counter()
             runner.forward(seqs)
             sync(device)
             steps[native].append(time.perf_counter() - start)
+            if clock and native:
+                spent.append(clock.take())
         timed = {f"step_ms{'' if native else '_off'}": 1000 * statistics.median(ts)
                  for native, ts in steps.items() if ts}
+        if clock:
+            timed["kernel_ms"] = kernel_ms(spent)
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
                context=args.decode_context, decode_path=decode_path, **timed)
     native_build.set_enabled(args.native_kernels != "off")

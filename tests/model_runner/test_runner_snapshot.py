@@ -176,3 +176,26 @@ def test_the_snapshot_step_bench_times_both_forms_on_the_same_logits(capsys):
         assert r["split_ms"] > 0 and r["fused_ms"] > 0 and r["logits_rel_diff"] < TOL
     with pytest.raises(SystemExit):
         snapshot_step.main(["--chunks", "1"])
+
+
+def test_the_runner_bench_reports_time_inside_each_kernel(tmp_path):
+    """``runner_speed --kernel-times``: each prefill and decode line carries the milliseconds
+    spent inside the CPU kernels the model called, the chunked delta rule and the conv's sums
+    in the prefill, the decode attention and the recurrent update in a decode step."""
+    import json
+    import subprocess
+    import sys
+
+    from support.random_checkpoints import make_model
+
+    make_model("gdn", tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "model_runner.bench.runner_speed", "--model", str(tmp_path),
+         "--prompt-len", "40", "--decode-batch", "2", "--decode-steps", "2", "--repeats", "1",
+         "--decode-context", "24", "--kernel-times"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {r["kind"]: r for r in map(json.loads, out.splitlines()) if r["kind"] != "machine"}
+    assert {"delta_rule_chunk", "conv_prefill_sums"} <= set(rows["prefill"]["kernel_ms"])
+    assert {"attention_decode", "delta_rule_decode"} <= set(rows["decode"]["kernel_ms"])
+    assert all(ms >= 0 for r in rows.values() for ms in r["kernel_ms"].values())
+    assert 0 < sum(rows["prefill"]["kernel_ms"].values()) < 1000 * rows["prefill"]["seconds"]
