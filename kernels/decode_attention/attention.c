@@ -64,96 +64,29 @@ AVX512 static void softmax_avx512(float *s, int64_t n, int bf16) {
 #endif
 
 #ifdef HAVE_X86
-/* attend_group's AVX-512 form (D % 16 == 0, r <= 16); inlined for each common r, so that
- * the accumulators stay in registers. */
-AVX512 static inline __attribute__((always_inline)) void
-attend_avx512(const float *qf, int64_t r, const char *base, int64_t row_stride, int64_t v_offset,
-              const int64_t *rows, int64_t n, int64_t D, float scale, int bf16, float *s,
-              void *out) {
-    const int64_t elem = bf16 ? 2 : 4;
-    for (int64_t j = 0; j < n; ++j) {
-        const char *k = base + rows[j] * row_stride * elem;
-        __m512 acc[16];
-        for (int64_t i = 0; i < r; ++i)
-            acc[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-            const __m512 kc = load16(k, c, bf16);
-            for (int64_t i = 0; i < r; ++i)
-                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * D + c), kc, acc[i]);
-        }
-        for (int64_t i = 0; i < r; ++i)
-            s[i * n + j] = hsum16(acc[i]);
-    }
-    const __m512 scale16 = _mm512_set1_ps(scale);
-    for (int64_t i = 0; i < r; ++i) {
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 keep = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-            const __m512 raw = _mm512_maskz_loadu_ps(keep, s + i * n + j);
-            _mm512_mask_storeu_ps(s + i * n + j, keep,
-                                  round16(_mm512_mul_ps(round16(raw, bf16), scale16), bf16));
-        }
-        softmax_avx512(s + i * n, n, bf16);
-    }
-    const int64_t group = 16 / r; /* 16-wide column blocks per pass: r * group <= 16 */
-    for (int64_t c0 = 0; c0 < D; c0 += 16 * group) {
-        const int64_t width = D - c0 < 16 * group ? (D - c0) / 16 : group;
-        __m512 acc[16];
-        for (int64_t a = 0; a < r * width; ++a)
-            acc[a] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-            const char *v = base + (rows[j] * row_stride + v_offset) * elem;
-            for (int64_t c = 0; c < width; ++c) {
-                const __m512 vc = load16(v, c0 + 16 * c, bf16);
-                for (int64_t i = 0; i < r; ++i)
-                    acc[i * width + c] =
-                        _mm512_fmadd_ps(_mm512_set1_ps(s[i * n + j]), vc, acc[i * width + c]);
-            }
-        }
-        for (int64_t i = 0; i < r; ++i)
-            for (int64_t c = 0; c < width; ++c)
-                store16(out, i * D + c0 + 16 * c, acc[i * width + c], bf16);
-    }
-}
-
-AVX512 static void attend_fast(const float *qf, int64_t r, const char *base, int64_t row_stride,
-                               int64_t v_offset, const int64_t *rows, int64_t n, int64_t D,
-                               float scale, int bf16, float *s, void *out) {
-    switch (r) { /* a constant r for the common group sizes */
-    case 1: attend_avx512(qf, 1, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
-        break;
-    case 2: attend_avx512(qf, 2, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
-        break;
-    case 4: attend_avx512(qf, 4, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
-        break;
-    case 8: attend_avx512(qf, 8, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
-        break;
-    default: attend_avx512(qf, r, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
-    }
-}
-#endif
-
-#ifdef HAVE_X86
 /* Rows of values a block of attend_seq's second pass holds in cache (every KV head's values:
  * 16 KB at two heads of 256 in bf16) while it runs each head's column blocks over them. */
 #define VALUE_BLOCK_ROWS 16
+/* Rows ahead the first pass asks for, each whole (its values too: the second pass then finds
+ * them in L2). */
 #define PREFETCH_ROWS 8
 
-/* attend_avx512 for all Hkv KV heads of one sequence at once, the same sums in the same orders
- * (so the same bits), with the rows read in two passes instead of 1 + D / (16 * group) per KV
- * head: the first reads each row's keys of every KV head (one contiguous span), the second its
- * values, a block of rows at a time, each (query head, 16 columns) summing over j in order
+/* attend_group's AVX-512 form (D % 16 == 0, r <= 16) for all Hkv KV heads of one sequence at
+ * once, the portable form's sums in the same orders (so the same bits), the rows read in two
+ * passes: the first reads each row's keys of every KV head (one contiguous span), the second
+ * its values, a block of rows at a time, each (query head, 16 columns) summing over j in order
  * through acc [H, D] between blocks.  A step's KV rows come from memory, not cache (the
- * weights streamed since evict them), where a row read 128 bytes at a time in several passes
- * came at a fraction of the bandwidth: Qwen3.5-0.8B's shape, 1,700-row sequences, 6 layers,
- * batch 2: ~12 ms of a 160 ms decode step that way. */
-AVX512 static void attend_seq_avx512(const float *qf, int64_t H, int64_t Hkv, const char *cache,
-                                     int64_t row_stride, int64_t v_offset, const int64_t *rows,
-                                     int64_t n, int64_t D, float scale, int bf16, float *s,
-                                     float *acc, void *out) {
-    const int64_t r = H / Hkv, elem = bf16 ? 2 : 4;
+ * weights streamed since evict them), where a row read 128 bytes at a time in 1 + D / (16 *
+ * group) passes a KV head came at a fraction of the bandwidth: Qwen3.5-0.8B's shape, 1,700-row
+ * sequences, 6 layers, batch 2: 12 of a 160 ms decode step that way, 9 this way. */
+AVX512 static inline __attribute__((always_inline)) void
+attend_seq_avx512(const float *qf, int64_t r, int64_t Hkv, const char *cache, int64_t row_stride,
+                  int64_t v_offset, const int64_t *rows, int64_t n, int64_t D, float scale,
+                  int bf16, float *s, float *acc, void *out) {
+    const int64_t H = r * Hkv, elem = bf16 ? 2 : 4;
     for (int64_t j = 0; j < n; ++j) {
         const char *row = cache + rows[j] * row_stride * elem;
-        if (j + PREFETCH_ROWS < n) { /* the whole row, values too: the second pass's are then in L2 */
+        if (j + PREFETCH_ROWS < n) {
             const char *ahead = cache + rows[j + PREFETCH_ROWS] * row_stride * elem;
             for (int64_t at = 0; at < 2 * Hkv * D * elem; at += 64)
                 _mm_prefetch(ahead + at, _MM_HINT_T1);
@@ -213,6 +146,24 @@ AVX512 static void attend_seq_avx512(const float *qf, int64_t H, int64_t Hkv, co
     for (int64_t a = 0; a < H * D; a += 16)
         store16(out, a, _mm512_loadu_ps(acc + a), bf16);
 }
+
+/* attend_seq_avx512 inlined for each common group size r = H / Hkv, so that the accumulators
+ * stay in registers. */
+AVX512 static void attend_seq_fast(const float *qf, int64_t r, int64_t Hkv, const char *cache,
+                                   int64_t row_stride, int64_t v_offset, const int64_t *rows,
+                                   int64_t n, int64_t D, float scale, int bf16, float *s,
+                                   float *acc, void *out) {
+#define ATTEND_SEQ(R) attend_seq_avx512(qf, R, Hkv, cache, row_stride, v_offset, rows, n, D, \
+                                        scale, bf16, s, acc, out)
+    switch (r) {
+    case 1: ATTEND_SEQ(1); break;
+    case 2: ATTEND_SEQ(2); break;
+    case 4: ATTEND_SEQ(4); break;
+    case 8: ATTEND_SEQ(8); break;
+    default: ATTEND_SEQ(r);
+    }
+#undef ATTEND_SEQ
+}
 #endif
 
 /* Sequence b (rows index[starts[b] + j], j < n), KV head g (base: the cache offset to its
@@ -220,14 +171,7 @@ AVX512 static void attend_seq_avx512(const float *qf, int64_t H, int64_t Hkv, co
  * [r, n]. */
 static void attend_group(const float *qf, int64_t r, const char *base, int64_t row_stride,
                          int64_t v_offset, const int64_t *rows, int64_t n, int64_t D,
-                         float scale, int bf16, int fast, float *s, void *out) {
-#ifdef HAVE_X86
-    if (fast) {
-        attend_fast(qf, r, base, row_stride, v_offset, rows, n, D, scale, bf16, s, out);
-        return;
-    }
-#endif
-    (void)fast;
+                         float scale, int bf16, float *s, void *out) {
     const int64_t elem = bf16 ? 2 : 4;
     for (int64_t j = 0; j < n; ++j) {
         const char *k = base + rows[j] * row_stride * elem;
@@ -265,20 +209,18 @@ int dasc_attention_decode(const void *q, const void *cache, int64_t row_stride, 
         return -1;
     float *qf = s + H * longest;
 #ifdef HAVE_X86
-    const int fast = simd_ok(D, simd) && r <= 16;
-    if (fast) {
+    if (simd_ok(D, simd) && r <= 16) {
         for (int64_t b = 0; b < B; ++b) {
             for (int64_t a = 0; a < H * D; ++a)
                 qf[a] = load_elem(q, b * H * D + a, (int)bf16);
-            attend_seq_avx512(qf, H, Hkv, (const char *)cache, row_stride, v_offset,
-                              index + starts[b], lens[b], D, scale, (int)bf16, s, qf + H * D,
-                              (char *)out + b * H * D * elem);
+            attend_seq_fast(qf, r, Hkv, (const char *)cache, row_stride, v_offset,
+                            index + starts[b], lens[b], D, scale, (int)bf16, s, qf + H * D,
+                            (char *)out + b * H * D * elem);
         }
         free(s);
         return 0;
     }
 #else
-    const int fast = 0;
     (void)simd;
 #endif
     for (int64_t b = 0; b < B; ++b)
@@ -287,7 +229,7 @@ int dasc_attention_decode(const void *q, const void *cache, int64_t row_stride, 
             for (int64_t a = 0; a < r * D; ++a)
                 qf[a] = load_elem(q, first + a, (int)bf16);
             attend_group(qf, r, (const char *)cache + g * D * elem, row_stride, v_offset,
-                         index + starts[b], lens[b], D, scale, (int)bf16, fast, s,
+                         index + starts[b], lens[b], D, scale, (int)bf16, s,
                          (char *)out + first * elem);
         }
     free(s);
