@@ -146,8 +146,8 @@ class ModelRunner:
             self.state.zero(torch.tensor(fresh, device=self.device))
             self._new_occupants(fresh)
         graphs = self.decode_graphs
-        if logits_of is not None and (all_logits or list(logits_of) == list(range(len(seqs)))):
-            logits_of = None  # every sequence's
+        if logits_of is not None and (all_logits or len(logits_of) == len(seqs)):
+            logits_of = None  # every sequence's (the indices ascend)
         if graphs is not None and refresh is None and graphs.fits(seqs) and capture is None \
                 and not all_logits and logits_of is None:
             return graphs.run(seqs)

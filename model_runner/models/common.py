@@ -198,14 +198,15 @@ class HybridForCausalLM(nn.Module):
             if x.shape[0] == 0:  # replays alone (the same on every rank)
                 return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
             x = layer.feed_forward(x, ctx)
-        if not all_logits:
+        if all_logits:
+            logits_of = None
+        elif logits_of is not None and not logits_of:  # nobody samples: no LM head
+            return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        if not all_logits and (logits_of is not None or not ctx.batch.is_decode):
             rows = ctx.batch.last_token_index  # decode: every token is a last token
             if logits_of is not None:
-                if not logits_of:
-                    return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
                 rows = rows[torch.tensor(logits_of, dtype=torch.long)]
-            if logits_of is not None or not ctx.batch.is_decode:
-                x = x[rows.to(x.device)]
+            x = x[rows.to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 
     @classmethod

@@ -145,7 +145,6 @@ def test_a_cold_prompt_still_stops_at_a_point_just_below_its_end():
     loop.run()
     b_chunks = [(q.prefix_len, len(q.token_ids)) for p in loop.plans[first:] for q in p.seqs
                 if q.rid == "b"]
-    assert (16, 8) in b_chunks or (0, 24) in b_chunks or any(
-        start + n == 24 for start, n in b_chunks)
+    assert any(start + n == 24 for start, n in b_chunks)  # a chunk of b ends at 24
     assert s.cache.ckpt_at(b[:24]) is not None
     assert_drained(s)
