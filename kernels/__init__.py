@@ -28,6 +28,8 @@ beside every fast path (as fla).
         attention.c   model_runner/layers/attention.py's _decode_each is the torch form
     moe_decode/    a decode step's experts, each used expert's weights streamed once (CPU);
         experts.c     model_runner/layers/mlp.py's SparseMoE forms are the torch forms
+    gemv/          a decode step's GEMMs: a few rows against a bf16 weight streamed once (CPU);
+        gemv.c        model_runner/layers/linear.py's oneDNN packed GEMM is the other form
     derived.py     weights derived once from a parameter (cast, packed, transposed), cached
     cpu_simd.h     the helpers the C files share (bf16 roundings, exp, AVX-512 forms)
     native_build.py compiles and loads the C libraries on first use (ctypes)

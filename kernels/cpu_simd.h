@@ -1,9 +1,8 @@
 /* Helpers the CPU kernels share (included by kernels/delta_rule/cpu_decode.c,
- * kernels/short_conv/cpu.c and the .c files of kernels/cpu_fused, kernels/decode_attention and
- * kernels/moe_decode): the model dtype's loads, stores and
- * roundings (bf16 to nearest even, as torch rounds; FP32 none), an exponential, and their
- * AVX-512 forms, which give the scalar forms' bits.  Everything is static: each library gets its
- * own copy. */
+ * kernels/short_conv/cpu.c and the .c files of kernels/cpu_fused, kernels/decode_attention,
+ * kernels/gemv and kernels/moe_decode): the model dtype's loads, stores and roundings (bf16 to
+ * nearest even, as torch rounds; FP32 none), an exponential, and their AVX-512 forms, which
+ * give the scalar forms' bits.  Everything is static: each library gets its own copy. */
 #ifndef DASC_CPU_SIMD_H
 #define DASC_CPU_SIMD_H
 

@@ -1,7 +1,7 @@
 """Compile-on-first-use C libraries for the CPU paths (``ragged_state/native.c``,
 ``delta_rule/cpu_chunk.c``, ``delta_rule/cpu_decode.c``, ``short_conv/cpu.c``,
-``cpu_fused/fused.c``, ``decode_attention/attention.c``, ``moe_decode/experts.c``; all but the
-first two share ``cpu_simd.h``), loaded through ctypes.
+``cpu_fused/fused.c``, ``decode_attention/attention.c``, ``moe_decode/experts.c``,
+``gemv/gemv.c``; all but the first two share ``cpu_simd.h``), loaded through ctypes.
 
 A library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`; well under a second)
 into `$DASC_CACHE_DIR` (default `~/.cache/dasc`; a per-user temporary directory when that is

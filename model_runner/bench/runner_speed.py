@@ -43,6 +43,7 @@ KERNELS = {
     "attention_decode": ("model_runner.layers.attention", "attention_decode"),
     "moe_decode": ("model_runner.layers.mlp", "moe_decode"),
     "silu_mul": ("model_runner.layers.mlp", "silu_mul"),
+    "gemv": ("model_runner.layers.linear", "gemv"),
 }
 
 

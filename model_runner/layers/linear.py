@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import GEMV_MAX_ROWS, gemv
 from model_runner.cpu_features import cpu_has_native_bf16
 from model_runner.parallel import TPGroup
 
@@ -48,11 +49,14 @@ _EMULATED_BF16 = not cpu_has_native_bf16()
 # The packed copy is extra memory: the weight again, in fp32 or bf16 as above.
 PACK_MAX_ROWS = 256
 PACK_MIN_ELEMENTS = 1 << 19
-# oneDNN's packed bf16 GEMM of 1-3 rows (decode at batch 1-3) is slower than of 4: on one
-# AVX512-BF16 core, cold weights, [12288, 1024] takes 1.40 / 1.76 / 1.24 ms at M = 1 / 2 / 3 and
-# 1.19 ms at M = 4 ([1024, 4096]: 0.53 / 0.61 / 0.45 against 0.41 ms; a Qwen-shape expert's
-# transposed [1024, 1024]: 0.14 / 0.17 against 0.12 ms).  So fewer rows are padded with zero
-# rows to 4; a row's bits then do not depend on how many rows share its step, up to 4.
+# A decode step's few rows (at most GEMV_MAX_ROWS) of a bf16 weight take kernels/gemv's C GEMV
+# where it runs (AVX-512): it streams the weight at ~13-15 GB/s against oneDNN's 10-13 here.
+# Elsewhere (a CPU without AVX-512, a routed expert's transposed weight) oneDNN's packed bf16
+# GEMM of 1-3 rows is slower than of 4: on one AVX512-BF16 core, cold weights, [12288, 1024]
+# takes 1.40 / 1.76 / 1.24 ms at M = 1 / 2 / 3 and 1.19 ms at M = 4 ([1024, 4096]: 0.53 / 0.61 /
+# 0.45 against 0.41 ms; a Qwen-shape expert's transposed [1024, 1024]: 0.14 / 0.17 against 0.12
+# ms).  So fewer rows are padded with zero rows to 4.  Either way a row's bits do not depend on
+# how many rows share its step, up to 4.
 PAD_ROWS = 4
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                  "_linear_pointwise")
@@ -110,9 +114,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     after upcasting the weight: the products of bf16 operands are exact in fp32 and the
     emulated bf16 GEMM accumulates in fp32 too, so only the summation order differs, at 4-6x
     the speed.  Without a packed copy, small row counts (decode) keep the bf16 GEMM on a
-    contiguous weight, which reads half the bytes.  A bf16 packed GEMM of fewer than
+    contiguous weight, which reads half the bytes.  Up to ``GEMV_MAX_ROWS`` rows of a bf16
+    weight take the C GEMV (``kernels.gemv``) where it runs; a bf16 packed GEMM of fewer than
     ``PAD_ROWS`` rows runs padded to ``PAD_ROWS``."""
     rows = x.numel() // x.shape[-1]
+    if rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
+        y = gemv(x, weight)  # decode's few rows: the weight streamed once, in C
+        if y is not None:
+            return y
     if packed is not None and (packed.dtype == x.dtype == torch.bfloat16
                                or 2 <= rows <= PACK_MAX_ROWS
                                or (rows == 1 and not weight.is_contiguous())):

@@ -130,7 +130,9 @@ def test_native_bf16_packs_bf16_and_takes_it_at_every_row_count(monkeypatch):
     """AVX512-BF16 or AMX: a bf16 weight's packed copy is bf16 (half the bytes of the fp32 one)
     and every row count runs through it, decode's one row and chunks past ``PACK_MAX_ROWS``
     included (the fastest form there at every count measured).  Each output is the exact
-    product rounded once to bf16, up to fp32 summation error (K u sum |x w|, K = 512)."""
+    product rounded once to bf16, up to fp32 summation error (K u sum |x w|, K = 512).  (With
+    autograd on, as here, the C GEMV that takes decode's rows in inference declines:
+    tests/kernels/test_cpu_gemv_native.py.)"""
     monkeypatch.setattr(linear_mod, "_EMULATED_BF16", False)
     calls = []
     real = linear_mod.packed_linear
@@ -160,7 +162,8 @@ def test_native_bf16_packs_bf16_and_takes_it_at_every_row_count(monkeypatch):
 def test_bf16_packed_gemm_of_few_rows_runs_padded_and_batch_invariant(monkeypatch):
     """1-3 rows through a bf16 packed copy run as ``PAD_ROWS`` rows (oneDNN is faster there),
     so a row's bits do not depend on how many rows share its step, up to ``PAD_ROWS``; a
-    transposed (routed expert) weight's copy too."""
+    transposed (routed expert) weight's copy too.  (This is the path where the C GEMV does not
+    run: autograd on, as here, or a CPU without AVX-512.)"""
     monkeypatch.setattr(linear_mod, "_EMULATED_BF16", False)
     shapes = []
     real = linear_mod.packed_linear
