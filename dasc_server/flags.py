@@ -186,6 +186,12 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "decode-only steps, so a decode waits behind one prefill step in N + 1 "
                         "at most, and a prompt waits N decode steps at most (0: every step may "
                         "carry prefill)")
+    g.add_argument("--batch-wait-ms", type=float, default=SCHED.batch_wait_ms, metavar="MS",
+                   help="a step that would only start prompts (nothing decoding) waits up to "
+                        "this long for more prompts: from the end of the step before when it "
+                        "finished requests, else from the first prompt; prompts that arrive "
+                        "together (clients sending their next turn at once) then prefill in one "
+                        "step and decode in the same steps (0: never wait)")
     g.add_argument("--decode-first", choices=values(DecodeFirst),
                    default=SCHED.decode_first.value,
                    help="cost: while requests decode, a step defers prefill when the running "
@@ -281,7 +287,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         decode_interleave=a.decode_interleave, checkpoint_eviction=a.checkpoint_eviction,
         checkpoint_admission=a.checkpoint_admission, prefix_cache=not a.no_prefix_cache,
         cache_finished=not a.no_cache_finished, park_finished=not a.no_park_finished,
-        decode_first=a.decode_first)
+        decode_first=a.decode_first, batch_wait_ms=a.batch_wait_ms)
     tier = CacheTierConfig(
         cache_tier_dir=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
         cache_tier_bytes=a.cache_tier_bytes, cache_tier_eviction=a.cache_tier_eviction,

@@ -42,10 +42,13 @@ class SchedulerProcess:
         self.step_s = self.compute_s = 0.0
         self.num_steps = 0
         self._checked = False  # the books were checked since the last step
+        self._finished_at: float | None = None  # when the last step that finished requests ended
 
     def run(self) -> None:
         while True:
             if not self._take_messages(block=not self.sched.has_work):
+                return
+            if not self._wait_for_more_prompts():
                 return
             started = time.perf_counter()
             plan = self.sched.schedule()
@@ -59,6 +62,8 @@ class SchedulerProcess:
             self._checked = False
             if outs:
                 ipc.send(self.front, TokenBatch(outs))
+                if any(out.finished for out in outs):
+                    self._finished_at = time.perf_counter()
             self.step_s += time.perf_counter() - started
             self.compute_s += result.compute_s
             self.num_steps += 1
@@ -93,6 +98,26 @@ class SchedulerProcess:
                      len(sched.running), len(sched.waiting), sched.stats, self.num_steps,
                      self.step_s, self.compute_s, integrity,
                      sched.tier.snapshot() if sched.tier is not None else None)
+
+    def _wait_for_more_prompts(self) -> bool:
+        """Before a step that would only start prompts (nothing decoding), take the prompts
+        that arrive within ``batch_wait_ms``: counted from the end of the previous step when it
+        finished requests (their clients often send the next turn at once), else from now.
+        Prompts that arrive together then prefill in one step and decode in the same steps;
+        otherwise the second one's prefill lands in the step of the first one's first decode,
+        which waits behind it.  False when the server is stopping."""
+        wait_s = self.sched.cfg.batch_wait_ms / 1000.0
+        if not wait_s or self.sched.running or not self.sched.waiting:
+            return True
+        now = time.perf_counter()
+        finished_at, self._finished_at = self._finished_at, None
+        if finished_at is None or now - finished_at > wait_s:
+            finished_at = now
+        deadline = finished_at + wait_s
+        while (left := deadline - time.perf_counter()) > 0:
+            if self.front.poll(left) and not self._take_messages(block=False):
+                return False
+        return True
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every waiting message; False when the server is stopping.  Going idle, it

@@ -207,6 +207,9 @@ class SchedulingConfig:
     prefill_mix_ratio: float = 8.0  # lpm: defer a chunk this many times the longest; 0: never
     decode_interleave: int = 0  # decode-only steps before a step may carry prefill; 0: every one
     decode_first: DecodeFirst = DecodeFirst.OFF  # COST: defer prefill by the step costs
+    # a step that would only start prompts waits this long for more (from the end of the step
+    # before when it finished requests, else from the first prompt); 0: never waits
+    batch_wait_ms: float = 10.0
     checkpoint_eviction: CheckpointEviction = CheckpointEviction.REUSE
     checkpoint_admission: CheckpointAdmission = CheckpointAdmission.BRANCH
     prefix_cache: bool = True  # False: never match nor store
@@ -219,7 +222,7 @@ class SchedulingConfig:
         if self.step_target_ms is not None and not self.step_target_ms > 0:
             raise ValueError(f"--step-target-ms must be > 0 (got {self.step_target_ms})")
         _at_least(self, 0, "checkpoint_interval", "schedule_max_passes", "prefill_mix_ratio",
-                  "decode_interleave")
+                  "decode_interleave", "batch_wait_ms")
 
     @property
     def chunk_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """The scheduler process around the policy: it imports no torch, its prefill budget follows the
 measured rate, the flags pick the chunk budget, its IPC connections send small frames at once,
-and it checks its books when it goes idle, not when a request wakes it."""
+it checks its books when it goes idle, not when a request wakes it, and after a step that
+finished requests it waits ``batch_wait_ms`` for more prompts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import pytest
 from support.paths import ROOT
 from support.serving import ipc_pair
 
@@ -117,9 +119,10 @@ def test_an_inherited_listener_authenticates_like_a_listener(monkeypatch):
 
 
 @contextmanager
-def _scheduler_loop(monkeypatch):
+def _scheduler_loop(monkeypatch, **scheduling):
     """A real ``SchedulerProcess`` over real IPC in a thread, rank 0 played by the test: yields
-    (front end's connection, rank 0's connection, the list of integrity checks so far)."""
+    (front end's connection, rank 0's connection, the list of integrity checks so far).
+    ``scheduling``: more ``SchedulingConfig`` fields."""
     from scheduler.__main__ import SchedulerProcess
     from scheduler.limits import RankLimits
     from scheduler.scheduler import Scheduler
@@ -127,7 +130,8 @@ def _scheduler_loop(monkeypatch):
     from scheduler.wire.messages import Shutdown
     from scheduler.wire.serve_config import SchedulingConfig
 
-    sched = Scheduler(SchedulingConfig(max_total_tokens=64, max_running_requests=2),
+    sched = Scheduler(SchedulingConfig(max_total_tokens=64, max_running_requests=2,
+                                       **scheduling),
                       RankLimits(num_checkpoint_slots=2, max_context_len=64, vocab_size=32))
     checks: list[int] = []
     real_check = sched.check_integrity
@@ -196,3 +200,37 @@ def test_no_check_between_a_step_that_empties_the_server_and_the_next_request(mo
         for rid in ("a", "b", "c"):
             assert _serve_one(front, rank, rid, checks) == 0, f"checked before planning {rid}"
         assert not checks
+
+
+def _first_plan_rids(front, rank, gap_s: float) -> list[str]:
+    """Send one-token prompts "b" and, ``gap_s`` later, "c"; the rids of the first plan that
+    carries sequences.  Every plan is answered (one token per sampled sequence) until the loop
+    goes quiet, so both requests finish."""
+    from scheduler.wire import ipc
+    from scheduler.wire.messages import GenerateReq, SamplingParams
+    from scheduler.wire.rank_messages import StepResult
+
+    ipc.send(front, GenerateReq("b", [3, 4, 6], SamplingParams(max_tokens=1)))
+    time.sleep(gap_s)
+    ipc.send(front, GenerateReq("c", [3, 4, 7], SamplingParams(max_tokens=1)))
+    first = None
+    assert rank.poll(10.0)
+    while rank.poll(1.5):
+        plan = ipc.recv(rank)
+        if plan.seqs and first is None:
+            first = [seq.rid for seq in plan.seqs]
+        sampled = [seq for seq in plan.seqs if seq.sample is not None]
+        ipc.send(rank, StepResult(plan.step_id, [7] * len(sampled), 0.0, [0.0] * len(sampled)))
+    while front.poll(0.1):  # their tokens
+        ipc.recv(front)
+    return first
+
+
+@pytest.mark.parametrize("wait_ms", [0.0, 1000.0])
+def test_prompts_arriving_together_start_in_one_step(monkeypatch, wait_ms):
+    """``batch_wait_ms``: a step with nothing decoding takes the prompts that arrive within the
+    wait, on a fresh server and again once those requests finished (both prompts share one
+    step); without it the first prompt is planned alone at once."""
+    with _scheduler_loop(monkeypatch, batch_wait_ms=wait_ms) as (front, rank, checks):
+        assert _first_plan_rids(front, rank, gap_s=0.2) == (["b", "c"] if wait_ms else ["b"])
+        assert _first_plan_rids(front, rank, gap_s=0.2) == (["b", "c"] if wait_ms else ["b"])
