@@ -67,48 +67,72 @@ AVX512 static void softmax_avx512(float *s, int64_t n, int bf16) {
 /* Rows of values a block of attend_seq's second pass holds in cache (every KV head's values:
  * 16 KB at two heads of 256 in bf16) while it runs each head's column blocks over them. */
 #define VALUE_BLOCK_ROWS 16
-/* Rows ahead the first pass asks for, each whole (its values too: the second pass then finds
- * them in L2). */
+/* Rows ahead the first pass asks for (their keys). */
 #define PREFETCH_ROWS 8
+
+/* The first pass over rows j .. j + nr - 1 (nr = 1 or 2, a constant where inlined: two rows
+ * give each query head two independent fma chains): s[(g * r + i) * n + j] = q_i . k_j for
+ * every KV head g.  The keys of the rows PREFETCH_ROWS ahead are asked for a line at a time as
+ * the keys are read, not a row at once: a burst of requests stalls on the core's few
+ * outstanding misses. */
+AVX512 static inline __attribute__((always_inline)) void
+key_rows(const float *qf, const int64_t r, int64_t Hkv, const char *cache, int64_t row_stride,
+         const int64_t *rows, int64_t n, int64_t j, const int64_t nr, int64_t D, int bf16,
+         float *s) {
+    const int64_t elem = bf16 ? 2 : 4;
+    const char *row[2], *ahead[2];
+    for (int64_t t = 0; t < nr; ++t) {
+        row[t] = cache + rows[j + t] * row_stride * elem;
+        ahead[t] = j + t + PREFETCH_ROWS < n
+                       ? cache + rows[j + t + PREFETCH_ROWS] * row_stride * elem : NULL;
+    }
+    for (int64_t g = 0; g < Hkv; ++g) {
+        const float *qg = qf + g * r * D;
+        __m512 a[2][16];
+        for (int64_t t = 0; t < nr; ++t)
+            for (int64_t i = 0; i < r; ++i)
+                a[t][i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 16) {
+            const int64_t at = (g * D + c) * elem;
+            __m512 kc[2];
+            for (int64_t t = 0; t < nr; ++t) {
+                if (at % 64 == 0 && ahead[t])
+                    _mm_prefetch(ahead[t] + at, _MM_HINT_T1);
+                kc[t] = load16(row[t], g * D + c, bf16);
+            }
+            for (int64_t i = 0; i < r; ++i) {
+                const __m512 qc = _mm512_loadu_ps(qg + i * D + c);
+                for (int64_t t = 0; t < nr; ++t)
+                    a[t][i] = _mm512_fmadd_ps(qc, kc[t], a[t][i]);
+            }
+        }
+        for (int64_t t = 0; t < nr; ++t)
+            for (int64_t i = 0; i < r; ++i)
+                s[(g * r + i) * n + j + t] = hsum16(a[t][i]);
+    }
+}
 
 /* attend_group's AVX-512 form (D % 16 == 0, r <= 16) for all Hkv KV heads of one sequence at
  * once, the portable form's sums in the same orders (so the same bits), the rows read in two
- * passes: the first reads each row's keys of every KV head (one contiguous span), the second
- * its values, a block of rows at a time, each (query head, 16 columns) summing over j in order
- * through acc [H, D] between blocks.  A step's KV rows come from memory, not cache (the
- * weights streamed since evict them), where a row read 128 bytes at a time in 1 + D / (16 *
- * group) passes a KV head came at a fraction of the bandwidth: Qwen3.5-0.8B's shape, 1,700-row
- * sequences, 6 layers, batch 2: 12 of a 160 ms decode step that way, 9 this way. */
+ * passes: the first reads each row's keys of every KV head (one contiguous span), two rows at
+ * a time, the second its values, a block of rows at a time, each (query head, 16 columns)
+ * summing over j in order through acc [H, D] between blocks, while the next block's values
+ * are asked for a few lines an iteration.  A step's KV rows come from memory, not cache (the
+ * weights streamed since evict them). */
 AVX512 static inline __attribute__((always_inline)) void
 attend_seq_avx512(const float *qf, int64_t r, int64_t Hkv, const char *cache, int64_t row_stride,
                   int64_t v_offset, const int64_t *rows, int64_t n, int64_t D, float scale,
                   int bf16, float *s, float *acc, void *out) {
     const int64_t H = r * Hkv, elem = bf16 ? 2 : 4;
-    for (int64_t j = 0; j < n; ++j) {
-        const char *row = cache + rows[j] * row_stride * elem;
-        if (j + PREFETCH_ROWS < n) {
-            const char *ahead = cache + rows[j + PREFETCH_ROWS] * row_stride * elem;
-            for (int64_t at = 0; at < 2 * Hkv * D * elem; at += 64)
-                _mm_prefetch(ahead + at, _MM_HINT_T1);
-        }
-        for (int64_t g = 0; g < Hkv; ++g) {
-            const char *k = row + g * D * elem;
-            const float *qg = qf + g * r * D;
-            __m512 a[16];
-            for (int64_t i = 0; i < r; ++i)
-                a[i] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < D; c += 16) {
-                const __m512 kc = load16(k, c, bf16);
-                for (int64_t i = 0; i < r; ++i)
-                    a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * D + c), kc, a[i]);
-            }
-            for (int64_t i = 0; i < r; ++i)
-                s[(g * r + i) * n + j] = hsum16(a[i]);
-        }
-    }
+    int64_t j = 0;
+    if (r <= 8) /* two rows' sums fit the registers */
+        for (; j + 2 <= n; j += 2)
+            key_rows(qf, r, Hkv, cache, row_stride, rows, n, j, 2, D, bf16, s);
+    for (; j < n; ++j)
+        key_rows(qf, r, Hkv, cache, row_stride, rows, n, j, 1, D, bf16, s);
     const __m512 scale16 = _mm512_set1_ps(scale);
     for (int64_t h = 0; h < H; ++h) {
-        for (int64_t j = 0; j < n; j += 16) {
+        for (j = 0; j < n; j += 16) {
             const __mmask16 keep = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
             const __m512 raw = _mm512_maskz_loadu_ps(keep, s + h * n + j);
             _mm512_mask_storeu_ps(s + h * n + j, keep,
@@ -118,8 +142,17 @@ attend_seq_avx512(const float *qf, int64_t r, int64_t Hkv, const char *cache, in
     }
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     const int64_t group = 16 / r; /* 16-wide column blocks per pass: r * group <= 16 */
+    /* the next block's values (Hkv * D * elem bytes a row) over this block's Hkv * passes *
+     * VALUE_BLOCK_ROWS iterations: `per` lines an iteration */
+    const int64_t passes = (D + 16 * group - 1) / (16 * group), row_bytes = Hkv * D * elem;
+    const int64_t per = (D * elem + 64 * passes - 1) / (64 * passes);
+    int64_t pf_row = 0, pf_at = 0;
     for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK_ROWS) {
         const int64_t j1 = n - j0 < VALUE_BLOCK_ROWS ? n : j0 + VALUE_BLOCK_ROWS;
+        if (pf_row < j1) { /* fell behind: start at the next block */
+            pf_row = j1;
+            pf_at = 0;
+        }
         for (int64_t g = 0; g < Hkv; ++g)
             for (int64_t c0 = 0; c0 < D; c0 += 16 * group) {
                 const int64_t width = D - c0 < 16 * group ? (D - c0) / 16 : group;
@@ -129,7 +162,15 @@ attend_seq_avx512(const float *qf, int64_t r, int64_t Hkv, const char *cache, in
                 for (int64_t i = 0; i < r; ++i)
                     for (int64_t c = 0; c < width; ++c)
                         a[i * width + c] = _mm512_loadu_ps(ag + i * D + 16 * c);
-                for (int64_t j = j0; j < j1; ++j) {
+                for (j = j0; j < j1; ++j) {
+                    for (int64_t t = 0; t < per && pf_row < n; ++t) {
+                        _mm_prefetch(cache + (rows[pf_row] * row_stride + v_offset) * elem + pf_at,
+                                     _MM_HINT_T1);
+                        if ((pf_at += 64) >= row_bytes) {
+                            pf_at = 0;
+                            ++pf_row;
+                        }
+                    }
                     const char *v = cache + (rows[j] * row_stride + v_offset + g * D) * elem;
                     for (int64_t c = 0; c < width; ++c) {
                         const __m512 vc = load16(v, c0 + 16 * c, bf16);
