@@ -154,7 +154,9 @@ def sample_tokens(logits: torch.Tensor, specs: list[Sample],
     """logits [B, vocab] (one row per spec) -> one token per row and the log-probabilities
     ``Sampled`` describes.  ``controls`` (one per row, from ``LogitControlTable.for_batch``)
     change the logits a row samples from, and record the token sampled."""
-    greedy = logits.argmax(dim=-1).tolist()
+    # max's indices are argmax's (the first maximum; NaN wins) at a fraction of the time on a
+    # CPU: 0.4 against 1.8 ms for logits [2, 248320] in bf16, one thread
+    greedy = logits.max(dim=-1).indices.tolist()
     tokens = []
     for i, (row, spec, best) in enumerate(zip(logits, specs, greedy)):
         ctl = controls[i] if controls is not None else None

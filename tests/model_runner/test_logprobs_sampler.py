@@ -68,3 +68,16 @@ def test_logit_controls_do_not_change_the_reported_distribution():
     assert out.token_ids == [worst]
     ref = torch.log_softmax(logits, -1).topk(4)
     assert out.top_ids == ref.indices.tolist() and worst not in out.top_ids[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_maximum(dtype):
+    """Greedy rows take argmax's token: the first of tied maxima, and a NaN where the row has
+    one (as argmax does), in each dtype the LM head returns."""
+    logits = torch.zeros(3, VOCAB, dtype=dtype)
+    logits[0, [7, 3, 40]] = 2.0  # tied maxima: the first is 3
+    logits[1, 60] = 1.0
+    logits[2, [9, 20]] = float("nan")
+    logits[2, 5] = 10.0
+    out = sample_tokens(logits, [spec(0)] * 3)
+    assert out.token_ids == logits.float().argmax(-1).tolist() == [3, 60, 9]
