@@ -2,9 +2,9 @@
 
 /* y [m, n] = x [m, k] W^T for a bf16 weight W [n, k] (row-major, as a checkpoint stores it) and
  * a few bf16 rows x (decode), FP32 sums rounded once to bf16.  Weight rows are read four at a
- * time (four streams, the most one core's memory path keeps busy) and the next four rows'
- * lines are prefetched into L2 while these are summed, so the weight streams at close to
- * the core's bandwidth: each weight element is loaded once for all m rows.
+ * time (one core reads memory faster from a few interleaved streams than from one; two, three,
+ * five, six and eight rows were no faster than four) and the next four rows' lines are
+ * prefetched into L2 while these are summed: each weight element is loaded once for all m rows.
  *
  * Each output is one chain of fmas into 16 lanes: over each block of 32 inputs, lane j adds
  * input 2j, then input 2j + 1 (a weight's 32-bit pair split into its even and odd halves
