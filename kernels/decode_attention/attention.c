@@ -112,6 +112,42 @@ key_rows(const float *qf, const int64_t r, int64_t Hkv, const char *cache, int64
     }
 }
 
+/* The second pass's sums for one KV head g over rows [j0, j1): the r query heads' columns
+ * [c0, c0 + 16 * width) of acc, each summing over j in order; width is a constant where
+ * inlined, so the r * width <= 16 sums stay in registers.  Asks for the next block's values
+ * (`per` lines a row, from *pf_row / *pf_at on). */
+AVX512 static inline __attribute__((always_inline)) void
+value_cols(const char *cache, int64_t row_stride, int64_t v_offset, const int64_t *rows,
+           int64_t n, int64_t j0, int64_t j1, const int64_t r, int64_t D, int64_t g, int64_t c0,
+           const int64_t width, int bf16, const float *sg, float *ag, int64_t per,
+           int64_t row_bytes, int64_t *pf_row, int64_t *pf_at) {
+    const int64_t elem = bf16 ? 2 : 4;
+    __m512 a[16];
+    for (int64_t i = 0; i < r; ++i)
+        for (int64_t c = 0; c < width; ++c)
+            a[i * width + c] = _mm512_loadu_ps(ag + i * D + 16 * c);
+    for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t t = 0; t < per && *pf_row < n; ++t) {
+            _mm_prefetch(cache + (rows[*pf_row] * row_stride + v_offset) * elem + *pf_at,
+                         _MM_HINT_T1);
+            if ((*pf_at += 64) >= row_bytes) {
+                *pf_at = 0;
+                ++*pf_row;
+            }
+        }
+        const char *v = cache + (rows[j] * row_stride + v_offset + g * D) * elem;
+        for (int64_t c = 0; c < width; ++c) {
+            const __m512 vc = load16(v, c0 + 16 * c, bf16);
+            for (int64_t i = 0; i < r; ++i)
+                a[i * width + c] =
+                    _mm512_fmadd_ps(_mm512_set1_ps(sg[i * n + j]), vc, a[i * width + c]);
+        }
+    }
+    for (int64_t i = 0; i < r; ++i)
+        for (int64_t c = 0; c < width; ++c)
+            _mm512_storeu_ps(ag + i * D + 16 * c, a[i * width + c]);
+}
+
 /* attend_group's AVX-512 form (D % 16 == 0, r <= 16) for all Hkv KV heads of one sequence at
  * once, the portable form's sums in the same orders (so the same bits), the rows read in two
  * passes: the first reads each row's keys of every KV head (one contiguous span), two rows at
@@ -155,33 +191,14 @@ attend_seq_avx512(const float *qf, int64_t r, int64_t Hkv, const char *cache, in
         }
         for (int64_t g = 0; g < Hkv; ++g)
             for (int64_t c0 = 0; c0 < D; c0 += 16 * group) {
-                const int64_t width = D - c0 < 16 * group ? (D - c0) / 16 : group;
                 float *ag = acc + g * r * D + c0;
                 const float *sg = s + g * r * n;
-                __m512 a[16];
-                for (int64_t i = 0; i < r; ++i)
-                    for (int64_t c = 0; c < width; ++c)
-                        a[i * width + c] = _mm512_loadu_ps(ag + i * D + 16 * c);
-                for (j = j0; j < j1; ++j) {
-                    for (int64_t t = 0; t < per && pf_row < n; ++t) {
-                        _mm_prefetch(cache + (rows[pf_row] * row_stride + v_offset) * elem + pf_at,
-                                     _MM_HINT_T1);
-                        if ((pf_at += 64) >= row_bytes) {
-                            pf_at = 0;
-                            ++pf_row;
-                        }
-                    }
-                    const char *v = cache + (rows[j] * row_stride + v_offset + g * D) * elem;
-                    for (int64_t c = 0; c < width; ++c) {
-                        const __m512 vc = load16(v, c0 + 16 * c, bf16);
-                        for (int64_t i = 0; i < r; ++i)
-                            a[i * width + c] = _mm512_fmadd_ps(_mm512_set1_ps(sg[i * n + j]), vc,
-                                                               a[i * width + c]);
-                    }
-                }
-                for (int64_t i = 0; i < r; ++i)
-                    for (int64_t c = 0; c < width; ++c)
-                        _mm512_storeu_ps(ag + i * D + 16 * c, a[i * width + c]);
+                if (D - c0 >= 16 * group) /* a whole block: its width a constant */
+                    value_cols(cache, row_stride, v_offset, rows, n, j0, j1, r, D, g, c0, group,
+                               bf16, sg, ag, per, row_bytes, &pf_row, &pf_at);
+                else
+                    value_cols(cache, row_stride, v_offset, rows, n, j0, j1, r, D, g, c0,
+                               (D - c0) / 16, bf16, sg, ag, per, row_bytes, &pf_row, &pf_at);
             }
     }
     for (int64_t a = 0; a < H * D; a += 16)
