@@ -198,15 +198,13 @@ class HybridForCausalLM(nn.Module):
             if x.shape[0] == 0:  # replays alone (the same on every rank)
                 return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
             x = layer.feed_forward(x, ctx)
-        if all_logits:
-            logits_of = None
-        elif logits_of is not None and not logits_of:  # nobody samples: no LM head
-            return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        if not all_logits and (logits_of is not None or not ctx.batch.is_decode):
-            rows = ctx.batch.last_token_index  # decode: every token is a last token
-            if logits_of is not None:
-                rows = rows[torch.tensor(logits_of, dtype=torch.long)]
+        if not all_logits and logits_of is not None:
+            if not logits_of:  # nobody samples: no LM head
+                return x.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
+            rows = ctx.batch.last_token_index[torch.tensor(logits_of, dtype=torch.long)]
             x = x[rows.to(x.device)]
+        elif not all_logits and not ctx.batch.is_decode:  # decode: every token is a last token
+            x = x[ctx.batch.last_token_index.to(x.device)]
         return self.lm_head(self.model.norm(x)).float()
 
     @classmethod

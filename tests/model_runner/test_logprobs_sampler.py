@@ -73,7 +73,7 @@ def test_logit_controls_do_not_change_the_reported_distribution():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_takes_the_first_maximum(dtype):
     """Greedy rows take argmax's token: the first of tied maxima, and a NaN where the row has
-    one (as argmax does), in each dtype the LM head returns."""
+    one (as argmax does), in FP32 (as the LM head returns them) and bf16."""
     logits = torch.zeros(3, VOCAB, dtype=dtype)
     logits[0, [7, 3, 40]] = 2.0  # tied maxima: the first is 3
     logits[1, 60] = 1.0
