@@ -10,7 +10,6 @@ so every rank runs the same plans in the same order (SPMD), and it alone samples
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cpu_features import emulated_bf16_note
 from model_runner.grammar import TokenizerCache
+from model_runner.host_memory import keep_freed_memory
 from model_runner.parallel import TPGroup, init_tp_group, rank_device, shutdown_tp_group
 from model_runner.processes import exit_now
 from model_runner.rank_args import fp32_weights
@@ -171,22 +171,6 @@ def measure_prefill_rate(runner: ModelRunner, num_tokens: int) -> float:
     elapsed = time.perf_counter() - started
     runner.zero_state(1)
     return num_tokens / max(elapsed, 1e-9)
-
-
-def keep_freed_memory() -> None:
-    """glibc's malloc serves every allocation from its heap and keeps what is freed, instead of
-    mapping a large block fresh and unmapping it when freed: each step's activations then reuse
-    memory already faulted in.  A page fault costs tens of microseconds on the VMs measured; at
-    Qwen3.5-0.8B's shape a decode step faulted in ~330 pages (its [1, 248320] logits and their
-    FP32 copy), 7 % of the step (serving TPOT 156 against 164-175 ms).  The process keeps its
-    peak memory, as it would under tcmalloc.  Nothing happens off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
 
 
 def row_tables(runner: ModelRunner) -> RowTables:
