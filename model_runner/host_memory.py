@@ -9,15 +9,14 @@ itself (a 32 MB ``mul``: 27 ms allocating, 6 ms reusing).  ``mallopt(M_MMAP_MAX,
 large blocks on the heap and a high ``M_TRIM_THRESHOLD`` keeps freed heap memory, as tcmalloc
 or jemalloc would; a rank's resident size then stays at its peak, which serving needs anyway.
 
-``move_to_huge_pages`` and ``host_zeros``: the weights, the KV pool and the state slots in
-transparent huge pages (the comment at ``HUGE_PAGE``).
+``move_to_huge_pages``: the weights a decode step streams in transparent huge pages (the
+comment at ``HUGE_PAGE``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import math
 import mmap
 import os
 from collections.abc import Iterable
@@ -46,22 +45,24 @@ def keep_freed_memory() -> bool:
     return _done
 
 
-# Transparent huge pages (2 MiB) for the memory a decode step streams: the weights, the KV pool
-# and the recurrent-state slots.  With 4 KiB pages a step's ~0.4-1.5 GB of weights take a TLB
-# miss every 64 cache lines, and on a VM each miss walks two page tables; 2 MiB pages made the
-# C GEMV stream 14.0 -> 15.4 GB/s and a runner decode step (two sequences at 1,400 tokens) 7-9 %
-# faster at both bench shapes (docs/benchmarks.md, "Huge pages").  Most kernels leave huge
-# pages to processes that ask (/sys/kernel/mm/transparent_hugepage/enabled: madvise), and a page
-# is huge only if it is asked for before its first touch: so these tensors live in anonymous
-# mappings advised MADV_HUGEPAGE before anything is written to them.  Where the kernel gives no
-# huge pages they are ordinary memory; nothing else changes (the bits are copied as they are).
+# Transparent huge pages (2 MiB) for the weights a decode step streams.  With 4 KiB pages a
+# step's 0.4-1.5 GB of weights take a TLB miss every 64 cache lines, and on a VM each miss walks
+# two page tables; in huge pages the C GEMV streamed 14.0 -> 15.4 GB/s and a runner decode step
+# (two sequences at 1,400 tokens) got 8-9 % faster at both bench shapes (docs/benchmarks.md,
+# "Huge pages").  Most kernels give huge pages only to memory that asks
+# (/sys/kernel/mm/transparent_hugepage/enabled: madvise), before its first touch: so the weights
+# are copied into anonymous mappings advised MADV_HUGEPAGE.  The copy is start-up time: each
+# huge page the kernel may first have to compact (~200 MB/s on the 2-core VM, ~1 GB/s on a
+# quieter one), so the input embedding, whose rows a step reads a few of, stays where it is,
+# and so do the KV pool and the state slots (no faster in huge pages).  Where the kernel has
+# no huge page to give, the memory is ordinary; the bits are copied as they are.
 HUGE_PAGE = 2 << 20
+MIN_MOVE_BYTES = HUGE_PAGE  # smaller storages stay where they are
 
 
 def huge_pages_enabled() -> bool:
-    """Off with ``DASC_HUGE_PAGES=0``, and where Python's mmap cannot advise huge pages."""
-    return (os.environ.get("DASC_HUGE_PAGES", "1") != "0"
-            and hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE"))
+    """Whether Python's mmap can advise huge pages here (Linux)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
@@ -74,30 +75,20 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
-def host_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, in huge pages where they are enabled
-    (written once, so its pages are faulted in now, as torch.zeros's are)."""
-    if not huge_pages_enabled():
-        return torch.zeros(*shape, dtype=dtype)
-    numel = math.prod(shape)
-    out = huge_page_bytes(numel * dtype.itemsize).view(dtype).view(*shape)
-    return out.zero_()
-
-
-def move_to_huge_pages(tensors: Iterable[torch.Tensor], min_bytes: int = HUGE_PAGE) -> int:
-    """Copy every CPU storage of at least ``min_bytes`` behind ``tensors`` into huge pages and
+def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Copy every CPU storage of at least ``MIN_MOVE_BYTES`` behind ``tensors`` into huge pages and
     point each of those tensors at the copy (views keep their offsets and strides, tensors that
     share a storage, such as tied embeddings, still share one).  A tensor not passed in that
     shares such a storage keeps the old one alive: pass every holder.  Returns the bytes
-    moved; 0 where huge pages are off."""
+    moved; 0 where mmap cannot advise huge pages."""
     if not huge_pages_enabled():
         return 0
     holders: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for t in tensors:
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn:
+        if storage_ptr(t) is None:
             continue
         storage = t.untyped_storage()
-        if storage.nbytes() >= min_bytes:
+        if storage.nbytes() >= MIN_MOVE_BYTES:
             holders.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
     moved = 0
     for storage, users in holders.values():
@@ -113,9 +104,30 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor], min_bytes: int = HUGE_PA
     return moved
 
 
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of a CPU tensor's storage; None for other devices and layouts (oneDNN's
+    packed weights are opaque)."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn:
+        return None
+    return t.untyped_storage().data_ptr()
+
+
+def decode_streamed(model: torch.nn.Module, embedding: torch.nn.Module) -> list[torch.Tensor]:
+    """``module_tensors(model)`` but those only the input embedding holds: a storage that a
+    module outside it holds too (a tied LM head) is streamed."""
+    inside = {id(m) for m in embedding.modules()}
+    streamed = {storage_ptr(t) for m in model.modules() if id(m) not in inside
+                for t in _own_tensors(m)}
+    return [t for t in module_tensors(model) if storage_ptr(t) in streamed]
+
+
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """Every tensor a module tree holds: parameters, buffers and tensor attributes, also inside
     lists, tuples and dicts (a layer's per-expert weights)."""
+    return [t for m in module.modules() for t in _own_tensors(m)]
+
+
+def _own_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
 
     def visit(value, depth: int) -> None:
@@ -128,7 +140,6 @@ def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
             for item in value.values():
                 visit(item, depth + 1)
 
-    for m in module.modules():
-        for value in vars(m).values():
-            visit(value, 0)
+    for value in vars(module).values():
+        visit(value, 0)
     return found

@@ -17,15 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runner.host_memory import host_zeros
-
-
-def _zeros(device: torch.device, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """A pool's zeros: in huge pages on a CPU (``host_memory``), as torch allocates elsewhere."""
-    if torch.device(device).type == "cpu":
-        return host_zeros(*shape, dtype=dtype)
-    return torch.zeros(*shape, dtype=dtype, device=device)
-
 
 class KVPool:
     def __init__(self, entry_shapes: list[tuple[int, ...]], num_pages: int, page_size: int,
@@ -33,7 +24,8 @@ class KVPool:
         self.num_pages, self.page_size = num_pages, page_size
         self.scratch_row = num_pages * page_size
         rows = self.scratch_row + 1
-        self.caches = [_zeros(device, rows, *shape, dtype=dtype) for shape in entry_shapes]
+        self.caches = [torch.zeros(rows, *shape, dtype=dtype, device=device)
+                       for shape in entry_shapes]
 
 
 @dataclass(slots=True)
@@ -53,10 +45,10 @@ class StatePool:
         if num_slots < 2:
             raise ValueError("the state pool needs at least 2 slots (slot 0 is reserved)")
         self.num_slots = num_slots
-        self.temporal = _zeros(device, num_layers, num_slots, num_heads, k_dim, v_dim,
-                               dtype=torch.float32)
-        self.conv = _zeros(device, num_layers, num_slots, conv_dim, conv_kernel - 1,
-                           dtype=conv_dtype)
+        self.temporal = torch.zeros(num_layers, num_slots, num_heads, k_dim, v_dim,
+                                    dtype=torch.float32, device=device)
+        self.conv = torch.zeros(num_layers, num_slots, conv_dim, conv_kernel - 1,
+                                dtype=conv_dtype, device=device)
 
     def _check(self, slot: int) -> None:
         if not 0 < slot < self.num_slots:

@@ -20,7 +20,7 @@ from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cuda_graph import DecodeGraphs
-from model_runner.host_memory import keep_freed_memory, module_tensors, move_to_huge_pages
+from model_runner.host_memory import decode_streamed, keep_freed_memory, move_to_huge_pages
 from model_runner.layers.linear import hold_fp32, pack_gemms, should_hold_fp32
 from model_runner.loader import build_model, load_weights
 from model_runner.model_files import check_tp
@@ -46,6 +46,7 @@ class RunnerConfig:
     # bf16 GEMM weights held in fp32 (``linear.hold_fp32``); None: where the CPU emulates bf16
     fp32_weights: bool | None = None
     packed_weights: bool = True  # oneDNN-packed copies of large CPU weights (linear.pack_weight)
+    huge_pages: bool = True  # CPU: the weights a decode step streams in huge pages (host_memory)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,8 +76,8 @@ class ModelRunner:
         if hold is None:
             hold = should_hold_fp32(dtype, self.device)
         self.gemm_weight_bytes += hold_fp32(self.model) if hold else 0
-        if self.device.type == "cpu":  # the weights a decode step streams, in huge pages
-            move_to_huge_pages(module_tensors(self.model))
+        if rc.huge_pages and self.device.type == "cpu":
+            move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens))
         self.kv = KVPool([type(self.model).kv_entry_shape(cfg, self.tp)] * len(cfg.full_layer_ids),
                          rc.num_pages, rc.page_size, dtype, self.device)
         mixer = self._first_linear_mixer()

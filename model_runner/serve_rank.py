@@ -95,7 +95,8 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
                       cuda_graph_max_bs=graph_max_bs(ranks, sched.max_running_requests, device),
                       cuda_graph_max_context=ranks.cuda_graph_max_context,
                       fp32_weights=fp32_weights(ranks.cpu_fp32_weights),
-                      packed_weights=ranks.cpu_packed_weights)
+                      packed_weights=ranks.cpu_packed_weights,
+                      huge_pages=ranks.cpu_huge_pages)
     plan = build_plan(config.model, cfg, spec)
     placement = spec.placement.value  # the compression modules take plain strings
     head_order = placement_head_order(plan, cfg, tp.size, placement)

@@ -91,6 +91,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     p.add_argument("--cpu-fp32-weights", choices=["auto", "on", "off"], default="auto",
                    help="as dasc-serve's flag: bf16 GEMM weights held in fp32")
+    p.add_argument("--cpu-huge-pages", choices=["on", "off"], default="on",
+                   help="as dasc-serve's flag: the weights a decode step streams in huge pages")
     p.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
                    help="as dasc-serve's flag: oneDNN-packed copies of large linear weights "
                         "(bf16 on a CPU with native bf16, else fp32)")
@@ -128,7 +130,8 @@ def main() -> None:
                       num_pages=per_seq * max_batch, page_size=page, num_state_slots=max_batch + 1,
                       cuda_graph_max_bs=max_batch if args.cuda_graph else 0,
                       fp32_weights=fp32_weights(args.cpu_fp32_weights),
-                      packed_weights=args.cpu_packed_weights == "on")
+                      packed_weights=args.cpu_packed_weights == "on",
+                      huge_pages=args.cpu_huge_pages == "on")
     runner = ModelRunner(rc, tp)
     decode_path = "eager"
     if args.cuda_graph:

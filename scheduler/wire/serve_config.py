@@ -173,6 +173,7 @@ class RankConfig:
     device: Device = Device.CPU
     cpu_fp32_weights: Fp32Weights = Fp32Weights.AUTO
     cpu_packed_weights: bool = True
+    cpu_huge_pages: bool = True  # the weights a CPU decode step streams in huge pages
     cuda_graph: bool = True  # on cuda: replay decode steps as CUDA graphs
     cuda_graph_max_bs: int = 32
     cuda_graph_max_context: int = 4096

@@ -1,6 +1,7 @@
-"""Huge pages for the memory a CPU decode step streams (model_runner/host_memory.py): the moved
-tensors keep their bits, views and shared storages, and sit in memory advised MADV_HUGEPAGE;
-a runner's pools are allocated there and its forward gives the same bits either way."""
+"""Huge pages for the weights a CPU decode step streams (model_runner/host_memory.py): the moved
+tensors keep their bits, views and shared storages and sit in memory advised MADV_HUGEPAGE; a
+runner moves every weight but an untied input embedding, and its forward gives the same bits
+either way."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 from support.random_checkpoints import make_model
-from support.runner_scenarios import make_runner
+from support.runner_scenarios import PAGE, make_runner
 
+from model_runner import host_memory
 from model_runner.batch import SeqInput
 from model_runner.host_memory import (
     HUGE_PAGE,
-    host_zeros,
+    decode_streamed,
     huge_pages_enabled,
     module_tensors,
     move_to_huge_pages,
 )
+from model_runner.runner import ModelRunner, RunnerConfig
 
 SMAPS = Path("/proc/self/smaps")
 pytestmark = pytest.mark.skipif(not SMAPS.exists() or not huge_pages_enabled(),
@@ -45,7 +48,7 @@ def test_moved_tensors_keep_bits_views_and_sharing():
     other = torch.arange(10, dtype=torch.int64)  # too small: stays where it is
     expected, old_ptr, other_ptr = base.clone(), base.data_ptr(), other.data_ptr()
 
-    moved = move_to_huge_pages([base, transposed, rows, tied, other])
+    moved = move_to_huge_pages([base, transposed, rows, tied, other])  # other: under 2 MiB
 
     assert moved == expected.numel() * expected.element_size()
     assert base.data_ptr() != old_ptr and base.data_ptr() % HUGE_PAGE == 0
@@ -65,28 +68,31 @@ def test_module_tensors_finds_attributes_in_lists():
     assert {t.data_ptr() for t in layer.experts[0]} <= found
 
 
-def test_host_zeros(monkeypatch):
-    z = host_zeros(3, 5, dtype=torch.bfloat16)
-    assert z.shape == (3, 5) and z.dtype == torch.bfloat16 and not z.any()
-    assert advised_huge(z)
-    monkeypatch.setenv("DASC_HUGE_PAGES", "0")
-    plain = host_zeros(3, 5, dtype=torch.bfloat16)
-    assert not plain.any() and not advised_huge(plain)
+def test_decode_streamed_leaves_an_untied_embedding():
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    ids = lambda ts: {id(t) for t in ts}  # noqa: E731
+    assert ids(decode_streamed(model, model.embed)) == {id(model.head.weight)}
+    model.head.weight = model.embed.weight  # tied: both move, or the storage would be kept twice
+    assert ids(decode_streamed(model, model.embed)) == {id(model.embed.weight)}
+    model.head.tied_view = model.embed.weight[2:]
+    assert id(model.embed.weight) in ids(decode_streamed(model, model.embed))
 
 
-def test_runner_pools_in_huge_pages_and_same_bits(monkeypatch, tmp_path):
+def test_runner_weights_in_huge_pages_same_bits(monkeypatch, tmp_path):
     make_model("gdn", tmp_path)
     prompt = list(range(3, 40))
+    monkeypatch.setattr(host_memory, "MIN_MOVE_BYTES", 0)  # the tiny model's weights too
     runner = make_runner(str(tmp_path))
-    assert all(advised_huge(t) for t in (runner.state.temporal, runner.state.conv,
-                                         *runner.kv.caches))
-    move_to_huge_pages(module_tensors(runner.model), min_bytes=0)  # the tiny model's too
-    assert advised_huge(runner.model.model.embed_tokens.weight)
+    layer = runner.model.model.layers[0].linear_attn
+    assert advised_huge(layer.in_proj_qkvz.weight) and advised_huge(runner.model.lm_head.weight)
+    assert not advised_huge(runner.model.model.embed_tokens.weight)  # untied here
     with torch.inference_mode():
         got = runner.forward([SeqInput(prompt, 0, list(range(12)), 1)])
-    monkeypatch.setenv("DASC_HUGE_PAGES", "0")
-    plain = make_runner(str(tmp_path))
-    assert not advised_huge(plain.state.temporal)
+    plain = ModelRunner(RunnerConfig(str(tmp_path), num_pages=256, page_size=PAGE,
+                                     num_state_slots=12, huge_pages=False))
+    assert not advised_huge(plain.model.lm_head.weight)
     with torch.inference_mode():
         want = plain.forward([SeqInput(prompt, 0, list(range(12)), 1)])
     assert torch.equal(got, want)
