@@ -84,9 +84,11 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     if not huge_pages_enabled():
         return 0
     holders: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    seen: set[int] = set()  # a tensor listed twice (a tied weight's two modules) moves once
     for t in tensors:
-        if storage_ptr(t) is None:
+        if storage_ptr(t) is None or id(t) in seen:
             continue
+        seen.add(id(t))
         storage = t.untyped_storage()
         if storage.nbytes() >= MIN_MOVE_BYTES:
             holders.setdefault(storage.data_ptr(), (storage, []))[1].append(t)

@@ -156,8 +156,8 @@ def hold_fp32(model: nn.Module) -> int:
             continue  # pack_gemms gave it packed copies (fp32 ones: one row keeps the bf16 GEMV)
         for name in getattr(module, "GEMM_WEIGHTS", ()):
             param = getattr(module, name)
-            if param.dtype == torch.bfloat16:
-                param.data = param.data.float()
+            if param.dtype == torch.bfloat16:  # a new parameter: a tied embedding keeps bf16
+                setattr(module, name, nn.Parameter(param.data.float(), requires_grad=False))
                 added += param.numel() * 2
     return added
 

@@ -48,7 +48,7 @@ def test_moved_tensors_keep_bits_views_and_sharing():
     other = torch.arange(10, dtype=torch.int64)  # too small: stays where it is
     expected, old_ptr, other_ptr = base.clone(), base.data_ptr(), other.data_ptr()
 
-    moved = move_to_huge_pages([base, transposed, rows, tied, other])  # other: under 2 MiB
+    moved = move_to_huge_pages([base, transposed, rows, tied, other, base])  # other: < 2 MiB
 
     assert moved == expected.numel() * expected.element_size()
     assert base.data_ptr() != old_ptr and base.data_ptr() % HUGE_PAGE == 0
