@@ -47,15 +47,14 @@ def keep_freed_memory() -> bool:
 
 # Transparent huge pages (2 MiB) for the weights a decode step streams.  With 4 KiB pages a
 # step's 0.4-1.5 GB of weights take a TLB miss every 64 cache lines, and on a VM each miss walks
-# two page tables; in huge pages the C GEMV streamed 14.0 -> 15.4 GB/s and a runner decode step
-# (two sequences at 1,400 tokens) got 8-9 % faster at both bench shapes (docs/benchmarks.md,
-# "Huge pages").  Most kernels give huge pages only to memory that asks
-# (/sys/kernel/mm/transparent_hugepage/enabled: madvise), before its first touch: so the weights
-# are copied into anonymous mappings advised MADV_HUGEPAGE.  The copy is start-up time: each
-# huge page the kernel may first have to compact (~200 MB/s on the 2-core VM, ~1 GB/s on a
-# quieter one), so the input embedding, whose rows a step reads a few of, stays where it is,
-# and so do the KV pool and the state slots (no faster in huge pages).  Where the kernel has
-# no huge page to give, the memory is ordinary; the bits are copied as they are.
+# two page tables; in huge pages a runner decode step got 3-9 % faster at both bench shapes
+# (docs/benchmarks.md, "Huge pages for what a decode step streams").  Most kernels give huge
+# pages only to memory that asks (/sys/kernel/mm/transparent_hugepage/enabled: madvise), before
+# its first touch: so the weights are copied into anonymous mappings advised MADV_HUGEPAGE.  The
+# copy is start-up time: the kernel may first compact memory for each huge page (~110-250 MB/s
+# on the 2-core VM measured), so the input embedding, whose rows a step reads a few of, stays
+# where it is, and so do the KV pool and the state slots (no faster in huge pages).  Where the
+# kernel has no huge page to give, the memory is ordinary; the bits are copied as they are.
 HUGE_PAGE = 2 << 20
 MIN_MOVE_BYTES = HUGE_PAGE  # smaller storages stay where they are
 
@@ -70,8 +69,8 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     starting on a 2 MiB boundary (the mapping lives as long as the tensor's storage)."""
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(area, dtype=torch.uint8)
+    area.madvise(mmap.MADV_HUGEPAGE)  # the whole mapping: its aligned 2 MiB spans qualify
     start = -whole.data_ptr() % HUGE_PAGE
-    area.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE or HUGE_PAGE)
     return whole[start : start + nbytes]
 
 
