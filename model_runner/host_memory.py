@@ -93,10 +93,9 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
             holders.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
     moved = 0
     for storage, users in holders.values():
-        if any(u.element_size() != users[0].element_size() for u in users):
-            continue  # offsets in elements of different sizes: leave it
         copy = huge_page_bytes(storage.nbytes())
         copy.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        # base: bytes into the mapping, a multiple of its 4 KiB alignment, so of any element size
         target, base = copy.untyped_storage(), copy.storage_offset()
         with torch.no_grad():
             for u in users:

@@ -41,23 +41,30 @@ def advised_huge(t: torch.Tensor) -> bool:
     raise AssertionError(f"address {addr:#x} is in no mapping")
 
 
-def test_moved_tensors_keep_bits_views_and_sharing():
+@pytest.mark.parametrize("shifted", [False, True])
+def test_moved_tensors_keep_bits_views_and_sharing(monkeypatch, shifted):
+    if shifted:  # a copy that starts 4 KiB into its mapping, as where mappings are not aligned
+        real = host_memory.huge_page_bytes
+        monkeypatch.setattr(host_memory, "huge_page_bytes", lambda n: real(n + 4096)[4096:])
     base = torch.randn(1024, 1024)  # 4 MiB
     tied = base  # a second holder of the same tensor
-    transposed, rows = base.t(), base[100:200]
+    transposed, rows, as_bytes = base.t(), base[100:200], base[1].view(torch.uint8)
     other = torch.arange(10, dtype=torch.int64)  # too small: stays where it is
     expected, old_ptr, other_ptr = base.clone(), base.data_ptr(), other.data_ptr()
 
-    moved = move_to_huge_pages([base, transposed, rows, tied, other, base])  # other: < 2 MiB
+    # other: under 2 MiB; base: listed twice
+    moved = move_to_huge_pages([base, transposed, rows, as_bytes, tied, other, base])
 
     assert moved == expected.numel() * expected.element_size()
-    assert base.data_ptr() != old_ptr and base.data_ptr() % HUGE_PAGE == 0
+    assert base.data_ptr() != old_ptr and base.data_ptr() % HUGE_PAGE == 4096 * shifted
     assert other.data_ptr() == other_ptr
     assert advised_huge(base) and not advised_huge(other)
     assert torch.equal(base, expected) and torch.equal(rows, expected[100:200])
     assert torch.equal(transposed, expected.t()) and transposed.stride() == (1, 1024)
+    assert torch.equal(as_bytes, expected[1].view(torch.uint8))  # another element size
     base[150, 7] = 42.0  # the views still alias the moved storage
     assert rows[50, 7] == 42.0 and transposed[7, 150] == 42.0
+    assert as_bytes.data_ptr() == base[1].data_ptr()
 
 
 def test_module_tensors_finds_attributes_in_lists():
