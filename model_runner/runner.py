@@ -56,6 +56,11 @@ class RunnerConfig:
 
 
 class ModelRunner:
+    # Built outside inference mode even when the caller is in it (a serving rank is): an
+    # inference tensor has no version counter, so ``kernels.derived`` cannot keep a copy made
+    # from such a weight and would make it on every call (the MoE shared expert's input-major
+    # copies: 12-15 ms of a ~36 ms Qwen3-Next-shape decode step on the 2-core VM).
+    @torch.inference_mode(False)
     def __init__(self, rc: RunnerConfig, tp: TPGroup | None = None,
                  head_order: list[list[int]] | None = None):
         self.rc, self.tp, self.head_order = rc, tp or TPGroup(), head_order

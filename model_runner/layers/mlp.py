@@ -109,6 +109,15 @@ def grouped_mm_runs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> boo
     return fits and all(n % align == 0 for n in (*w13.shape[1:], w2.shape[1]))
 
 
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [.., gate | up]: one pass in C on a CPU, else torch's two."""
+    act = silu_mul(gate_up)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return act
+
+
 class DenseMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); ``reduce=False`` leaves the partial sum for the caller."""
 
@@ -129,12 +138,7 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor, is_static: bool = False) -> torch.Tensor:
         """``is_static`` is accepted for symmetry with ``SparseMoE`` (this path is always
         graph-safe)."""
-        gate_up = self.gate_up_proj(x)
-        act = silu_mul(gate_up)  # one pass in C on a CPU
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return self.down_proj(act)
+        return self.down_proj(_silu_mul(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):
@@ -298,9 +302,8 @@ class SparseMoE(nn.Module):
                 rows = slice(start, start + count)
                 packed_gate_up, packed_down = (self.packed_experts[expert]
                                                if self.packed_experts else (None, None))
-                gate, up = linear(gathered[rows], self.gate_up(expert),
-                                  packed_gate_up).chunk(2, dim=-1)
-                h[rows] = linear(F.silu(gate) * up, self.down(expert), packed_down)
+                gate_up = linear(gathered[rows], self.gate_up(expert), packed_gate_up)
+                h[rows] = linear(_silu_mul(gate_up), self.down(expert), packed_down)
                 start += count
         out.index_add_(0, token, (h * weights.reshape(-1)[order, None]).to(out.dtype))
 
