@@ -234,7 +234,8 @@ def create_app(engine: EngineClient, tokenizer: Any | None, model_name: str,
                     logit_bias=bias, presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                    top_logprobs=req.num_top_logprobs, prompt_logprobs=echo and req.wants_logprobs,
+                    top_logprobs=req.num_top_logprobs, logprobs=req.wants_logprobs,
+                    prompt_logprobs=echo and req.wants_logprobs,
                     grammar=grammar)
                 choices.append(Choice(
                     prompt_index * num_samples + sample_index, prompt_index, sample_index,

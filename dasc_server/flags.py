@@ -28,6 +28,7 @@ from scheduler.wire.serve_config import (
     Device,
     Dtype,
     Fp32Weights,
+    LmHeadScreen,
     LoadPolicy,
     Payload,
     Placement,
@@ -125,6 +126,12 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="copy the weights a decode step streams into transparent huge pages at "
                         "start-up: decode steps took ~0.92x the time on the 2-core VM measured, "
                         "for ~1-10 s more start-up per GB where the kernel first compacts memory")
+    g.add_argument("--cpu-lm-head-screen", choices=values(LmHeadScreen),
+                   default=RANKS.cpu_lm_head_screen.value,
+                   help="greedy rows that report no logprobs take an int8 copy of the LM head "
+                        "and compute exactly only the rows that can win (the same tokens); one "
+                        "rank, bf16, AVX-512 VNNI; auto: heads of 16M weights or more (extra "
+                        "memory: 1 byte per weight)")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="on cuda, run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--cuda-graph-max-bs", type=int, default=RANKS.cuda_graph_max_bs,
@@ -281,7 +288,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     ranks = RankConfig(
         dtype=resolve_dtype(a.dtype, a.model, a.device), device=a.device,
         cpu_fp32_weights=a.cpu_fp32_weights, cpu_packed_weights=a.cpu_packed_weights == "on",
-        cpu_huge_pages=a.cpu_huge_pages == "on",
+        cpu_huge_pages=a.cpu_huge_pages == "on", cpu_lm_head_screen=a.cpu_lm_head_screen,
         cuda_graph=not a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
         cuda_graph_max_context=a.cuda_graph_max_context,
         state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots)

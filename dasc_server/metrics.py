@@ -59,6 +59,8 @@ class _SchedulerCollector:
             "dasc_refresh_tokens": ("tokens replayed by dasc-wr refreshes", c.refresh_tokens),
             "dasc_parked_hits": ("hits that adopted a finished request's parked slot (exact, "
                                  "no load)", c.parked_hits),
+            "dasc_screened_tokens": ("greedy tokens the screened LM head gave",
+                                     c.screened_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from kernels.gemv import simd_available as gemv_simd_available
+from kernels.lm_head import ScreenedHead
+from kernels.lm_head import simd_available as screen_simd_available
 from model_runner.batch import Refresh, SeqInput, build_batch
 from model_runner.checkpoints.pool import CheckpointFormat, CheckpointPool
 from model_runner.compression.plan import ModelIdentity, SelectionPlan
@@ -29,6 +32,11 @@ from model_runner.parallel import TPGroup
 from model_runner.rank_memory import KVPool, RequestState, StatePool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ``lm_head_screen`` "auto": heads this large (Qwen3.5's 248,320 x 1,024 is 254 M); at the
+# Qwen3-Next-shape bench model's byte vocabulary (264 rows) the full head costs nothing
+SCREEN_MIN_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,9 @@ class RunnerConfig:
     fp32_weights: bool | None = None
     packed_weights: bool = True  # oneDNN-packed copies of large CPU weights (linear.pack_weight)
     huge_pages: bool = True  # CPU: the weights a decode step streams in huge pages (host_memory)
+    # CPU, bf16, one rank: an int8 screen of the LM head for greedy rows (``greedy``); "auto":
+    # where the head has at least ``SCREEN_MIN_ELEMENTS`` weights, "on": wherever it runs
+    lm_head_screen: str = "auto"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -81,8 +92,11 @@ class ModelRunner:
         if hold is None:
             hold = should_hold_fp32(dtype, self.device)
         self.gemm_weight_bytes += hold_fp32(self.model) if hold else 0
+        self.screened_head = self._screened_head()
+        self.screened_tokens = 0  # tokens ``greedy`` gave
         if rc.huge_pages and self.device.type == "cpu":
-            move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens))
+            streamed = decode_streamed(self.model, self.model.model.embed_tokens)
+            move_to_huge_pages(streamed + ([self.screened_head.wq] if self.screened_head else []))
         self.kv = KVPool([type(self.model).kv_entry_shape(cfg, self.tp)] * len(cfg.full_layer_ids),
                          rc.num_pages, rc.page_size, dtype, self.device)
         mixer = self._first_linear_mixer()
@@ -100,6 +114,21 @@ class ModelRunner:
             self.decode_graphs.capture_all()
         if self.device.type == "cpu":  # after the weights and pools: they keep their own pages
             keep_freed_memory()
+
+    def _screened_head(self) -> ScreenedHead | None:
+        """``RunnerConfig.lm_head_screen``'s screen, where it gives the full head's tokens: a
+        bf16 head on one CPU rank whose few rows take the C GEMV, a hidden size of a multiple
+        of 64, the AVX-512 VNNI form."""
+        weight, mode = self.model.lm_head.weight, self.rc.lm_head_screen
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"lm_head_screen {mode!r} not in auto, on, off")
+        if (mode == "off" or (mode == "auto" and weight.numel() < SCREEN_MIN_ELEMENTS)
+                or self.device.type != "cpu" or self.tp.size != 1
+                or weight.dtype != torch.bfloat16 or weight.shape[1] % 64
+                or not weight.is_contiguous()
+                or not (screen_simd_available() and gemv_simd_available())):
+            return None
+        return ScreenedHead(weight)
 
     def _first_linear_mixer(self):
         layer = self.model.model.layers[self.cfg.linear_layer_ids[0]]
@@ -129,13 +158,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], all_logits: bool = False,
                 capture: dict | None = None, *, refresh: Refresh | None = None,
-                inputs_checked: bool = False, logits_of: list[int] | None = None
-                ) -> torch.Tensor:
+                inputs_checked: bool = False, logits_of: list[int] | None = None,
+                head: bool = True) -> torch.Tensor:
         """Run one step. Returns logits [num_seqs, vocab] (last token of each sequence), or
         [len(logits_of), vocab] (of the sequences at those indices, ascending), or
-        [num_tokens, vocab] with ``all_logits``.  Fresh sequences (prefix_len 0) start from a
-        zeroed state slot.  ``refresh`` (``replays``): dasc-wr replays that run inside this step,
-        ahead of ``seqs``, from zeroed scratch slots (``batch.Refresh``); they add no logits.
+        [num_tokens, vocab] with ``all_logits``; without ``head``, the normed hidden states the
+        LM head reads, [rows, hidden], for ``greedy`` or ``head_logits``.  Fresh sequences
+        (prefix_len 0) start from a zeroed state slot.  ``refresh`` (``replays``): dasc-wr
+        replays that run inside this step, ahead of ``seqs``, from zeroed scratch slots
+        (``batch.Refresh``); they add no logits.
 
         Token ids and page tables are checked first unless ``inputs_checked``: the caller
         checked them where they entered (a serving rank: the scheduler checks prompts, the
@@ -157,11 +188,25 @@ class ModelRunner:
         if logits_of is not None and (all_logits or len(logits_of) == len(seqs)):
             logits_of = None  # every sequence's (the indices ascend)
         if graphs is not None and refresh is None and graphs.fits(seqs) and capture is None \
-                and not all_logits and logits_of is None:
+                and not all_logits and logits_of is None and head:
             return graphs.run(seqs)
         batch = build_batch(seqs, self.rc.page_size, self.device, refresh)
         ctx = StepContext(batch, self.kv, self.state, capture)
-        return self.model(ctx, all_logits=all_logits, logits_of=logits_of)
+        return self.model(ctx, all_logits=all_logits, logits_of=logits_of, head=head)
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``forward(head=False)``'s hidden states: its logits."""
+        return self.model.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> list[int] | None:
+        """The greedy token of each of ``forward(head=False)``'s rows, as the full LM head's
+        logits would give it, by the screened head (``kernels.lm_head``); None where it does
+        not run (no screened head, or a step it declines)."""
+        tokens = None if self.screened_head is None else self.screened_head.argmax(hidden)
+        self.screened_tokens += len(tokens) if tokens is not None else 0
+        return tokens
 
     def _check_step(self, seqs: list[SeqInput], everything: list[SeqInput]) -> None:
         """Reject a step that would read or write outside the state pool or let two sequences

@@ -99,6 +99,10 @@ class LogitControlTable:
         for rid in rids:
             self._reqs.pop(rid, None)
 
+    def holds(self, rids: list[str]) -> bool:
+        """Whether any of these requests has controls."""
+        return bool(self._reqs) and any(rid in self._reqs for rid in rids)
+
     def for_batch(self, rids: list[str], specs: list[Sample], logits: torch.Tensor
                   ) -> list[RequestControls | None] | None:
         """Each row's controls (None: no controls in this batch at all)."""

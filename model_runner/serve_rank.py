@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_fused
+from kernels import cpu_fused, lm_head
 from kernels.delta_rule import cpu_chunk
 from kernels.delta_rule import cpu_decode as delta_decode
 from kernels.ragged_state import native as ragged_native
@@ -42,7 +43,14 @@ from model_runner.sampling import LogitControlTable, Sampled, sample_tokens, tar
 from model_runner.tier_store import TierStore, fingerprint, kv_bytes_per_token
 from scheduler.wire import ipc
 from scheduler.wire.messages import Shutdown
-from scheduler.wire.rank_messages import BatchPlan, RankInfo, RowTables, SeqStep, StepResult
+from scheduler.wire.rank_messages import (
+    BatchPlan,
+    RankInfo,
+    RowTables,
+    Sample,
+    SeqStep,
+    StepResult,
+)
 from scheduler.wire.serve_config import (
     DEFAULT_CHECKPOINT_SLOTS,
     CheckpointSpec,
@@ -96,7 +104,8 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
                       cuda_graph_max_context=ranks.cuda_graph_max_context,
                       fp32_weights=fp32_weights(ranks.cpu_fp32_weights),
                       packed_weights=ranks.cpu_packed_weights,
-                      huge_pages=ranks.cpu_huge_pages)
+                      huge_pages=ranks.cpu_huge_pages,
+                      lm_head_screen=ranks.cpu_lm_head_screen.value)
     plan = build_plan(config.model, cfg, spec)
     placement = spec.placement.value  # the compression modules take plain strings
     head_order = placement_head_order(plan, cfg, tp.size, placement)
@@ -144,7 +153,7 @@ def warm_up(runner: ModelRunner, num_tokens: int) -> None:
     nothing holds yet; the slot is left zeroed."""
     for library in (cpu_chunk.native_library, delta_decode.native_library,
                     conv_native.native_library, cpu_fused.native_library,
-                    ragged_native.native_library):
+                    ragged_native.native_library, lm_head.native_library):
         library()  # built on first use: now, not in the first request
     if num_tokens < 1:
         return
@@ -218,15 +227,25 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
         # step's tokens; rank 0 reads only the rows that asked)
         all_logits = any(s.logprob_targets for s in plan.seqs)
         rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
+        rids = [plan.seqs[i].rid for i in rows]
+        specs = [plan.seqs[i].sample for i in rows]
+        screen = (runner.screened_head is not None and rows and not all_logits
+                  and all(_plain_greedy(spec) for spec in specs) and not controls.holds(rids))
         logits = runner.forward([seq(s) for s in plan.seqs], all_logits=all_logits,
-                                refresh=refresh, inputs_checked=True, logits_of=rows)
+                                refresh=refresh, inputs_checked=True, logits_of=rows,
+                                head=not screen)
+        if screen:  # one rank: ``logits`` are the hidden states the head reads
+            tokens = runner.greedy(logits)
+            if tokens is not None:
+                sampled = Sampled(tokens, [math.nan] * len(tokens), [], [])
+                rows = []
+            else:
+                logits = runner.head_logits(logits)
         if runner.tp.is_first:
             if all_logits:
                 logits, sampled = _last_rows(logits, plan.seqs), _targets(logits, plan.seqs)
                 logits = logits[rows]  # rows ascend
             if rows:
-                specs = [plan.seqs[i].sample for i in rows]
-                rids = [plan.seqs[i].rid for i in rows]
                 got = sample_tokens(logits, specs, controls.for_batch(rids, specs, logits))
                 sampled = got._replace(target_logprobs=sampled.target_logprobs,
                                        target_top_ids=sampled.target_top_ids,
@@ -234,6 +253,13 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
     if plan.stores_after:
         runner.store_checkpoints(*_unzip(plan.stores_after))
     return sampled
+
+
+def _plain_greedy(spec: Sample) -> bool:
+    """A row whose token is its logits' argmax and which reports nothing else: the screened
+    LM head may give it (``ModelRunner.greedy``)."""
+    return (spec.temperature <= 0 and not spec.logprob and not spec.num_top_logprobs
+            and spec.controls is None)
 
 
 def _starts(seqs: list[SeqStep]) -> list[int]:
@@ -282,7 +308,7 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
         msg = tp.broadcast_object(msg)
         if isinstance(msg, Shutdown):
             return
-        started = time.perf_counter()
+        started, screened = time.perf_counter(), runner.screened_tokens
         tier = runner.tier
         fetch_failed, fetch_s = [], 0.0
         if tier is not None:  # before the plan: its rows and slots may be reused by it
@@ -299,7 +325,7 @@ def serve(runner: ModelRunner, tp: TPGroup, info: RankInfo, port: int) -> None:
                                       sampled.top_ids, sampled.top_logprobs,
                                       sampled.target_logprobs, sampled.target_top_ids,
                                       sampled.target_top_logprobs, written, write_failed,
-                                      fetch_failed, fetch_s))
+                                      fetch_failed, fetch_s, runner.screened_tokens - screened))
 
 
 def _next_plan(conn) -> object:

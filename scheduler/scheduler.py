@@ -113,6 +113,7 @@ class Scheduler:
 
     def process_result(self, result: StepResult) -> list[TokenOut]:
         inflight, fetches = self.planner.step_done(result.compute_s)
+        self.table.counters.screened_tokens += result.screened
         if self.tier is not None:
             self._tier_result(result, fetches)
         return process_result(self.table, inflight, result)

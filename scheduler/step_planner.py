@@ -417,7 +417,7 @@ class StepPlanner:
         if end == len(r.prompt) + len(r.output):
             s = r.sampling
             sample = Sample(s.temperature, s.top_p, s.top_k, r.seed, len(r.output),
-                            num_top_logprobs=s.top_logprobs)
+                            num_top_logprobs=s.top_logprobs, logprob=s.logprobs)
             if not r.output and s.has_logit_controls:
                 sample.controls = self._controls(r)
         step = SeqStep(r.rid, r.token_slice(r.computed, end), r.computed, r.slot, sample,

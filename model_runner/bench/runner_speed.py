@@ -93,6 +93,10 @@ def main() -> None:
                    help="as dasc-serve's flag: bf16 GEMM weights held in fp32")
     p.add_argument("--cpu-huge-pages", choices=["on", "off"], default="on",
                    help="as dasc-serve's flag: the weights a decode step streams in huge pages")
+    p.add_argument("--cpu-lm-head-screen", choices=["auto", "on", "off"], default="auto",
+                   help="as dasc-serve's flag: each decode step ends in its greedy tokens, from "
+                        "the screened LM head where one is built, else from the full head's "
+                        "logits (decode lines name which: lm_head)")
     p.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
                    help="as dasc-serve's flag: oneDNN-packed copies of large linear weights "
                         "(bf16 on a CPU with native bf16, else fp32)")
@@ -131,7 +135,8 @@ def main() -> None:
                       cuda_graph_max_bs=max_batch if args.cuda_graph else 0,
                       fp32_weights=fp32_weights(args.cpu_fp32_weights),
                       packed_weights=args.cpu_packed_weights == "on",
-                      huge_pages=args.cpu_huge_pages == "on")
+                      huge_pages=args.cpu_huge_pages == "on",
+                      lm_head_screen=args.cpu_lm_head_screen)
     runner = ModelRunner(rc, tp)
     decode_path = "eager"
     if args.cuda_graph:
@@ -188,7 +193,7 @@ def main() -> None:
             if clock:
                 clock.take()
             start = time.perf_counter()
-            runner.forward(seqs)
+            greedy_step(runner, seqs)
             sync(device)
             steps[native].append(time.perf_counter() - start)
             if clock and native:
@@ -198,7 +203,8 @@ def main() -> None:
         if clock:
             timed["kernel_ms"] = kernel_ms(spent)
         report(tp, kind="decode", tp_size=tp.size, device=str(device), batch=batch,
-               context=args.decode_context, decode_path=decode_path, **timed)
+               context=args.decode_context, decode_path=decode_path,
+               lm_head="screened" if runner.screened_head is not None else "full", **timed)
     native_build.set_enabled(args.native_kernels != "off")
     for chunk in args.mixed_chunks:
         # B sequences decode at their contexts; another (its own slot) prefills `chunk` tokens
@@ -225,6 +231,17 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total",
                                             row_limit=args.profile), flush=True)
     shutdown_tp_group(tp)
+
+
+def greedy_step(runner: ModelRunner, seqs: list[SeqInput]) -> list[int]:
+    """One decode step to its greedy tokens, as a serving rank takes them for greedy rows: the
+    screened LM head where the runner has one (and it answers), else the full head's argmax."""
+    if runner.screened_head is None:
+        return runner.forward(seqs).max(dim=-1).indices.tolist()
+    hidden = runner.forward(seqs, head=False)
+    tokens = runner.greedy(hidden)
+    return tokens if tokens is not None else \
+        runner.head_logits(hidden).max(dim=-1).indices.tolist()
 
 
 def sync(device: torch.device) -> None:

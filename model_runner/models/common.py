@@ -182,10 +182,11 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
     def forward(self, ctx: StepContext, all_logits: bool = False,
-                logits_of: list[int] | None = None) -> torch.Tensor:
+                logits_of: list[int] | None = None, head: bool = True) -> torch.Tensor:
         """Logits of the step's sequences (of those listed in ``logits_of``, in its order: a
         prefill chunk nobody samples from needs none, and at a large vocabulary the LM head
-        reads as much as the rest of a decode step: 0.5 GB at Qwen3.5's 248k tokens).
+        reads as much as the rest of a decode step: 0.5 GB at Qwen3.5's 248k tokens); without
+        ``head``, the normed hidden states the LM head would read (``ModelRunner.greedy``).
         dasc-wr replays (``batch.Refresh``) leave the batch after the last linear layer's
         mixer: past it nothing reads them, so they skip its MLP and every later layer."""
         x = self.model.embed_tokens(ctx.batch.token_ids)
@@ -205,7 +206,8 @@ class HybridForCausalLM(nn.Module):
             x = x[rows.to(x.device)]
         elif not all_logits and not ctx.batch.is_decode:  # decode: every token is a last token
             x = x[ctx.batch.last_token_index.to(x.device)]
-        return self.lm_head(self.model.norm(x)).float()
+        x = self.model.norm(x)
+        return self.lm_head(x).float() if head else x
 
     @classmethod
     def map_name(cls, name: str) -> tuple[str | None, object]:

@@ -49,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens; 1 = off
     min_tokens: int = 0  # EOS and stop_token_ids banned before this many tokens
     top_logprobs: int = 0  # the likeliest tokens reported with each sampled one (0: none)
+    logprobs: bool = True  # each sampled token's logprob is reported (False: not computed)
     # echo: also the logprobs (and ``top_logprobs`` likeliest) of prompt tokens [1, n); such a
     # request prefills its whole prompt (the cache keeps no logits), storing checkpoints still
     prompt_logprobs: bool = False
@@ -144,6 +145,7 @@ class Counters:
     checkpoints_stored: int = 0
     kv_evicted_rows: int = 0
     checkpoints_evicted: int = 0
+    screened_tokens: int = 0  # greedy tokens the screened LM head gave (``--cpu-lm-head-screen``)
 
     def loads(self, policy: LoadPolicy) -> int:
         return self.loads_wr if policy is LoadPolicy.WR else self.loads_nr

@@ -61,6 +61,9 @@ class Sample:
     index: int
     controls: LogitControls | None = None  # index 0 of a request that has any
     num_top_logprobs: int = 0  # report this many likeliest tokens with the sampled one
+    # report the sampled token's logprob; a greedy row without it, controls or top logprobs
+    # may take the screened LM head (kernels/lm_head), which computes no logprobs (NaN sent)
+    logprob: bool = True
 
 
 @dataclass(slots=True)
@@ -170,3 +173,4 @@ class StepResult:
     tier_write_failed: list[int] = field(default_factory=list)
     tier_fetch_failed: list[int] = field(default_factory=list)
     tier_fetch_s: float = 0.0  # rank 0's time reading the step's fetches
+    screened: int = 0  # sampled tokens the screened LM head gave (their logprobs are NaN)

@@ -99,6 +99,14 @@ class Fp32Weights(StrEnum):
     OFF = "off"
 
 
+class LmHeadScreen(StrEnum):
+    """``--cpu-lm-head-screen`` (``RunnerConfig.lm_head_screen``)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 FLAGS = {"w_max": "--wmax", "payload": "--int8-checkpoints"}  # fields named unlike their flag
 
 
@@ -174,6 +182,7 @@ class RankConfig:
     cpu_fp32_weights: Fp32Weights = Fp32Weights.AUTO
     cpu_packed_weights: bool = True
     cpu_huge_pages: bool = True  # the weights a CPU decode step streams in huge pages
+    cpu_lm_head_screen: LmHeadScreen = LmHeadScreen.AUTO  # greedy rows' int8-screened LM head
     cuda_graph: bool = True  # on cuda: replay decode steps as CUDA graphs
     cuda_graph_max_bs: int = 32
     cuda_graph_max_context: int = 4096
@@ -320,4 +329,4 @@ def _value(kind: Any, value: Any, where: str) -> Any:
 CONFIG_TYPES = (ServeConfig, RankConfig, SchedulingConfig, CheckpointSpec, CacheTierConfig,
                 LoadPolicy, Selection, Payload, Placement, SchedulePolicyName, DecodeFirst,
                 CheckpointEviction, CheckpointAdmission, TierEviction, Dtype, Device,
-                Fp32Weights)
+                Fp32Weights, LmHeadScreen)
