@@ -33,11 +33,13 @@ from pathlib import Path
 import torch
 
 from kernels.gemv import GEMV_MAX_ROWS, gemv
-from kernels.native_build import I64, PTR, load_library, runs_here, simd_probe
+from kernels.native_build import F32, I64, PTR, load_library, runs_here, simd_probe
 
 SOURCE = Path(__file__).with_name("screen.c")
 _SIGNATURES = {"dasc_screen": (PTR, I64, I64, PTR, I64, PTR, I64), "dasc_screen_simd": (),
-               "dasc_screen_quantize": (PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR)}
+               "dasc_screen_quantize": (PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR),
+               "dasc_screen_candidates": (PTR, I64, PTR, PTR, PTR, PTR, PTR, F32, F32, F32, F32,
+                                          I64, PTR)}
 
 MAX_CANDIDATES = 4096  # rows computed exactly per hidden row, at most (~8 MB at K = 1,024)
 _U = 2.0**-24  # FP32's unit roundoff
@@ -48,7 +50,8 @@ _SLACK = 1e-4  # relative, for the bound's own FP32 evaluation
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "lm_head_screen", _SIGNATURES, "the LM head's int8 screen",
                         returns={"dasc_screen": ctypes.c_int, "dasc_screen_simd": ctypes.c_int,
-                                 "dasc_screen_quantize": ctypes.c_int})
+                                 "dasc_screen_quantize": ctypes.c_int,
+                                 "dasc_screen_candidates": ctypes.c_int64})
 
 
 @cache
@@ -114,23 +117,19 @@ class ScreenedHead:
         dots = screen_dots((xq + 128).to(torch.uint8), self.wq)
         if dots is None:
             return None
-        # sum (xq + 128) w~q - 128 sum w~q = sum xq w~q, exact in int32
-        approx = (dots - 128 * self.rowsum).float().mul_(s_x * self.scale)
-        x1 = x.abs().sum(dim=1, keepdim=True)
-        bound = (x1 * (self.err + self.gamma * self.wmax)).add_(0.5 * s_x * self.l1)
-        bound.mul_(1 + _SLACK).add_(approx.abs(), alpha=4 * _U)
-        upper = approx + bound
-        lower = approx.sub_(bound)
-        tokens = []
+        x1 = x.abs().sum(dim=1)
+        ids = torch.empty(MAX_CANDIDATES, dtype=torch.int64)
+        lib, tokens = native_library(), []
         for i in range(x.shape[0]):
-            best = float(lower[i].max())
-            top = max(abs(best), float(upper[i].max().abs()), 2.0**-120)
-            margin = 2.0 ** (torch.tensor(top).log2().ceil().item() - 6)  # >= 2 bf16 units
-            ids = torch.nonzero(upper[i] >= best - margin).squeeze(1)
-            if ids.numel() > MAX_CANDIDATES:
+            count = lib.dasc_screen_candidates(
+                dots[i].data_ptr(), dots.shape[1], self.rowsum.data_ptr(), self.scale.data_ptr(),
+                self.err.data_ptr(), self.l1.data_ptr(), self.wmax.data_ptr(), float(s_x[i]),
+                float(x1[i]), self.gamma, _SLACK, MAX_CANDIDATES, ids.data_ptr())
+            if count < 0:
                 return None
-            exact = gemv(hidden[i : i + 1], self.weight.index_select(0, ids))
+            rows = ids[:count]
+            exact = gemv(hidden[i : i + 1], self.weight.index_select(0, rows))
             if exact is None:
                 return None
-            tokens.append(int(ids[exact.float().max(dim=-1).indices]))
+            tokens.append(int(rows[exact.float().max(dim=-1).indices]))
         return tokens

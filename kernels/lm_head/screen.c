@@ -115,6 +115,45 @@ int dasc_screen_quantize(const void *weight, int64_t n, int64_t k, void *quantiz
     return bad;
 }
 
+/* The bound of kernels/lm_head/__init__.py for one hidden row: with its int8 sums dots [n]
+ * (of x + 128), its scale sx, |x|_1 x1 and the head's per-row values, each logit's screening
+ * value a = (dots - 128 rowsum) (sx s) and bound b = (x1 (err + gamma wmax) + sx / 2 l1)
+ * (1 + slack) + 4u |a|.  Writes to ids, ascending, every row whose a + b reaches the best
+ * a - b less a margin of two bf16 units or more at the largest magnitude in play, and returns
+ * their count; -1 when there are more than max_ids. */
+int64_t dasc_screen_candidates(const int32_t *dots, int64_t n, const int32_t *rowsum,
+                               const float *scale, const float *err, const float *l1,
+                               const float *wmax, float sx, float x1, float gamma, float slack,
+                               int64_t max_ids, int64_t *ids) {
+    const float u4 = 4.0f * 0x1p-24f, half = 0.5f * sx, grow = 1.0f + slack;
+    float best = -INFINITY, top = 0x1p-120f;
+    for (int64_t r = 0; r < n; ++r) {
+        const float a = (float)(dots[r] - 128 * rowsum[r]) * (sx * scale[r]);
+        const float b = (x1 * (err[r] + gamma * wmax[r]) + half * l1[r]) * grow + u4 * fabsf(a);
+        const float lo = a - b, hi = a + b;
+        if (lo > best)
+            best = lo;
+        if (fabsf(hi) > top)
+            top = fabsf(hi);
+    }
+    if (fabsf(best) > top)
+        top = fabsf(best);
+    int ex;
+    frexpf(top, &ex); /* top < 2^ex: a bf16 unit there is at most 2^(ex - 8) */
+    const float floor = best - ldexpf(1.0f, ex - 6);
+    int64_t count = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const float a = (float)(dots[r] - 128 * rowsum[r]) * (sx * scale[r]);
+        const float b = (x1 * (err[r] + gamma * wmax[r]) + half * l1[r]) * grow + u4 * fabsf(a);
+        if (a + b >= floor) {
+            if (count == max_ids)
+                return -1;
+            ids[count++] = r;
+        }
+    }
+    return count;
+}
+
 int dasc_screen_simd(void) {
 #ifdef HAVE_X86
     return vnni_ok();
