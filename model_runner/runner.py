@@ -86,17 +86,20 @@ class ModelRunner:
         self.model = build_model(cfg, self.tp, dtype, head_order)
         load_weights(self.model, model_dir)
         self.model.to(self.device)
-        # extra weight memory the CPU GEMM forms take (packed copies, bf16 held as fp32)
+        # extra weight memory the CPU GEMM forms take (packed copies, bf16 held as fp32, the LM
+        # head's int8 screen)
         self.gemm_weight_bytes = pack_gemms(self.model) if rc.packed_weights else 0
         hold = rc.fp32_weights
         if hold is None:
             hold = should_hold_fp32(dtype, self.device)
         self.gemm_weight_bytes += hold_fp32(self.model) if hold else 0
-        self.screened_head = self._screened_head()
+        huge_pages = rc.huge_pages and self.device.type == "cpu"
+        if huge_pages:
+            move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens))
+        # after the move: the screen's int8 copy is written straight into huge pages
+        self.screened_head = self._screened_head(huge_pages)
+        self.gemm_weight_bytes += self.screened_head.nbytes if self.screened_head else 0
         self.screened_tokens = 0  # tokens ``greedy`` gave
-        if rc.huge_pages and self.device.type == "cpu":
-            streamed = decode_streamed(self.model, self.model.model.embed_tokens)
-            move_to_huge_pages(streamed + ([self.screened_head.wq] if self.screened_head else []))
         self.kv = KVPool([type(self.model).kv_entry_shape(cfg, self.tp)] * len(cfg.full_layer_ids),
                          rc.num_pages, rc.page_size, dtype, self.device)
         mixer = self._first_linear_mixer()
@@ -115,7 +118,7 @@ class ModelRunner:
         if self.device.type == "cpu":  # after the weights and pools: they keep their own pages
             keep_freed_memory()
 
-    def _screened_head(self) -> ScreenedHead | None:
+    def _screened_head(self, huge_pages: bool) -> ScreenedHead | None:
         """``RunnerConfig.lm_head_screen``'s screen, where it gives the full head's tokens: a
         bf16 head on one CPU rank whose few rows take the C GEMV, a hidden size of a multiple
         of 64, the AVX-512 VNNI form."""
@@ -128,7 +131,7 @@ class ModelRunner:
                 or not weight.is_contiguous()
                 or not (screen_simd_available() and gemv_simd_available())):
             return None
-        return ScreenedHead(weight)
+        return ScreenedHead(weight, huge_pages)
 
     def _first_linear_mixer(self):
         layer = self.model.model.layers[self.cfg.linear_layer_ids[0]]

@@ -34,6 +34,7 @@ import torch
 
 from kernels.gemv import GEMV_MAX_ROWS, gemv
 from kernels.native_build import F32, I64, PTR, load_library, runs_here, simd_probe
+from model_runner.host_memory import huge_page_bytes
 
 SOURCE = Path(__file__).with_name("screen.c")
 _SIGNATURES = {"dasc_screen": (PTR, I64, I64, PTR, I64, PTR, I64), "dasc_screen_simd": (),
@@ -78,14 +79,16 @@ def screen_dots(xu: torch.Tensor, wq: torch.Tensor, simd: bool = True) -> torch.
 class ScreenedHead:
     """The int8 copy of a bf16 LM head weight [V, K] and what its bound needs, per row."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, huge_pages: bool = False):
         """``weight``: the head's bf16 [V, K] tensor itself (the candidates are computed from
-        it); the int8 copy is made in C (``native_library`` must load)."""
+        it); the int8 copy is made in C (``native_library`` must load), in transparent huge
+        pages with ``huge_pages`` (``model_runner.host_memory``: it is streamed every step)."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError("the screened head reads a contiguous bf16 [vocab, hidden] weight")
         self.weight = weight
         v, k = weight.shape
-        self.wq = torch.empty(v, k, dtype=torch.int8)
+        self.wq = (huge_page_bytes(v * k).view(torch.int8).view(v, k) if huge_pages
+                   else torch.empty(v, k, dtype=torch.int8))
         self.scale = torch.empty(v)  # s_w
         self.rowsum = torch.empty(v, dtype=torch.int32)  # sum of the int8 row (for x + 128)
         self.err = torch.empty(v)  # max |w - w~|

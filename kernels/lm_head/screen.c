@@ -121,15 +121,28 @@ int dasc_screen_quantize(const void *weight, int64_t n, int64_t k, void *quantiz
  * (1 + slack) + 4u |a|.  Writes to ids, ascending, every row whose a + b reaches the best
  * a - b less a margin of two bf16 units or more at the largest magnitude in play, and returns
  * their count; -1 when there are more than max_ids. */
+typedef struct {
+    const int32_t *dots, *rowsum;
+    const float *scale, *err, *l1, *wmax;
+    float sx, x1, gamma, grow;
+} Screened;
+
+/* Row r's screening value, and its bound in *b. */
+static inline float screened(const Screened *s, int64_t r, float *b) {
+    const float a = (float)(s->dots[r] - 128 * s->rowsum[r]) * (s->sx * s->scale[r]);
+    *b = (s->x1 * (s->err[r] + s->gamma * s->wmax[r]) + 0.5f * s->sx * s->l1[r]) * s->grow
+         + 4.0f * 0x1p-24f * fabsf(a);
+    return a;
+}
+
 int64_t dasc_screen_candidates(const int32_t *dots, int64_t n, const int32_t *rowsum,
                                const float *scale, const float *err, const float *l1,
                                const float *wmax, float sx, float x1, float gamma, float slack,
                                int64_t max_ids, int64_t *ids) {
-    const float u4 = 4.0f * 0x1p-24f, half = 0.5f * sx, grow = 1.0f + slack;
-    float best = -INFINITY, top = 0x1p-120f;
+    const Screened s = {dots, rowsum, scale, err, l1, wmax, sx, x1, gamma, 1.0f + slack};
+    float best = -INFINITY, top = 0x1p-120f, b;
     for (int64_t r = 0; r < n; ++r) {
-        const float a = (float)(dots[r] - 128 * rowsum[r]) * (sx * scale[r]);
-        const float b = (x1 * (err[r] + gamma * wmax[r]) + half * l1[r]) * grow + u4 * fabsf(a);
+        const float a = screened(&s, r, &b);
         const float lo = a - b, hi = a + b;
         if (lo > best)
             best = lo;
@@ -143,8 +156,7 @@ int64_t dasc_screen_candidates(const int32_t *dots, int64_t n, const int32_t *ro
     const float floor = best - ldexpf(1.0f, ex - 6);
     int64_t count = 0;
     for (int64_t r = 0; r < n; ++r) {
-        const float a = (float)(dots[r] - 128 * rowsum[r]) * (sx * scale[r]);
-        const float b = (x1 * (err[r] + gamma * wmax[r]) + half * l1[r]) * grow + u4 * fabsf(a);
+        const float a = screened(&s, r, &b);
         if (a + b >= floor) {
             if (count == max_ids)
                 return -1;
