@@ -23,7 +23,13 @@ from model_runner.compression.plan import ModelIdentity, SelectionPlan
 from model_runner.compression.weights import load_decay_params
 from model_runner.config import ModelConfig
 from model_runner.cuda_graph import DecodeGraphs
-from model_runner.host_memory import decode_streamed, keep_freed_memory, move_to_huge_pages
+from model_runner.host_memory import (
+    decode_streamed,
+    huge_page_bytes,
+    huge_pages_enabled,
+    keep_freed_memory,
+    move_to_huge_pages,
+)
 from model_runner.layers.linear import hold_fp32, pack_gemms, should_hold_fp32
 from model_runner.loader import build_model, load_weights
 from model_runner.model_files import check_tp
@@ -131,7 +137,9 @@ class ModelRunner:
                 or not weight.is_contiguous()
                 or not (screen_simd_available() and gemv_simd_available())):
             return None
-        return ScreenedHead(weight, huge_pages)
+        out = (huge_page_bytes(weight.numel()).view(torch.int8).view(weight.shape)
+               if huge_pages and huge_pages_enabled() else None)
+        return ScreenedHead(weight, out)
 
     def _first_linear_mixer(self):
         layer = self.model.model.layers[self.cfg.linear_layer_ids[0]]

@@ -9,7 +9,7 @@ nor on the weight's size), only the rows whose bound reaches the best lower boun
 the full head's: the first index of the largest bf16 logit.
 
 The bound, for hidden row x (bf16) and weight row w, x~ = s_x round(x / s_x) and
-w~ = s_w round(w / s_w) the int8 copies (s = max |.| / 127), g the GEMV's FP32 sum:
+w~ = s_w round(w 127 / max |w|) the int8 copies (s = max |.| / 127), g the GEMV's FP32 sum:
 
     |g - x~.w~| <= |g - x.w| + |x.(w - w~)| + |(x - x~).w~|
                 <= gamma_K |x|_1 max|w| + |x|_1 max|w - w~| + (s_x / 2) |w~|_1,
@@ -34,7 +34,6 @@ import torch
 
 from kernels.gemv import GEMV_MAX_ROWS, gemv
 from kernels.native_build import F32, I64, PTR, load_library, runs_here, simd_probe
-from model_runner.host_memory import huge_page_bytes
 
 SOURCE = Path(__file__).with_name("screen.c")
 _SIGNATURES = {"dasc_screen": (PTR, I64, I64, PTR, I64, PTR, I64), "dasc_screen_simd": (),
@@ -79,16 +78,19 @@ def screen_dots(xu: torch.Tensor, wq: torch.Tensor, simd: bool = True) -> torch.
 class ScreenedHead:
     """The int8 copy of a bf16 LM head weight [V, K] and what its bound needs, per row."""
 
-    def __init__(self, weight: torch.Tensor, huge_pages: bool = False):
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor | None = None):
         """``weight``: the head's bf16 [V, K] tensor itself (the candidates are computed from
-        it); the int8 copy is made in C (``native_library`` must load), in transparent huge
-        pages with ``huge_pages`` (``model_runner.host_memory``: it is streamed every step)."""
+        it); the int8 copy is made in C (``native_library`` must load), into ``out`` (an
+        untouched contiguous int8 [V, K] tensor: a serving rank's is in huge pages, as it is
+        streamed every step) or a new tensor."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError("the screened head reads a contiguous bf16 [vocab, hidden] weight")
         self.weight = weight
         v, k = weight.shape
-        self.wq = (huge_page_bytes(v * k).view(torch.int8).view(v, k) if huge_pages
-                   else torch.empty(v, k, dtype=torch.int8))
+        if out is not None and (out.shape != (v, k) or out.dtype != torch.int8
+                                or not out.is_contiguous()):
+            raise ValueError(f"the int8 copy needs a contiguous int8 [{v}, {k}] tensor")
+        self.wq = out if out is not None else torch.empty(v, k, dtype=torch.int8)
         self.scale = torch.empty(v)  # s_w
         self.rowsum = torch.empty(v, dtype=torch.int32)  # sum of the int8 row (for x + 128)
         self.err = torch.empty(v)  # max |w - w~|
