@@ -229,7 +229,7 @@ def execute_plan(runner: ModelRunner, plan: BatchPlan, tables: RowTables,
         rows = [i for i, s in enumerate(plan.seqs) if s.sample is not None]
         rids = [plan.seqs[i].rid for i in rows]
         specs = [plan.seqs[i].sample for i in rows]
-        screen = (runner.screened_head is not None and rows and not all_logits
+        screen = (runner.screened_head is not None and bool(rows) and not all_logits
                   and all(_plain_greedy(spec) for spec in specs) and not controls.holds(rids))
         logits = runner.forward([seq(s) for s in plan.seqs], all_logits=all_logits,
                                 refresh=refresh, inputs_checked=True, logits_of=rows,

@@ -85,6 +85,9 @@ class ScreenedHead:
         streamed every step) or a new tensor."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError("the screened head reads a contiguous bf16 [vocab, hidden] weight")
+        if native_library() is None:
+            raise RuntimeError("the LM head's int8 screen is not built here (no C compiler, or "
+                               "DASC_NATIVE_KERNELS=0)")
         self.weight = weight
         v, k = weight.shape
         if out is not None and (out.shape != (v, k) or out.dtype != torch.int8
@@ -101,6 +104,7 @@ class ScreenedHead:
             self.rowsum.data_ptr(), self.err.data_ptr(), self.l1.data_ptr(), self.wmax.data_ptr())
         self.finite = not bad  # a non-finite weight leaves every step to the full head
         self.gamma = k * _U / (1 - k * _U)
+        self._ids = torch.empty(MAX_CANDIDATES, dtype=torch.int64)  # a row's candidates
 
     @property
     def nbytes(self) -> int:
@@ -123,8 +127,7 @@ class ScreenedHead:
         if dots is None:
             return None
         x1 = x.abs().sum(dim=1)
-        ids = torch.empty(MAX_CANDIDATES, dtype=torch.int64)
-        lib, tokens = native_library(), []
+        ids, lib, tokens = self._ids, native_library(), []
         for i in range(x.shape[0]):
             count = lib.dasc_screen_candidates(
                 dots[i].data_ptr(), dots.shape[1], self.rowsum.data_ptr(), self.scale.data_ptr(),
