@@ -21,11 +21,17 @@ than cost the prompt another step, the end's checkpoint a few tokens on.  So und
 pressure (no free slot) prompts advance point by point, breadth first: cutting through every
 point of several prompts, evicting for several stores in one step, cost the multi-turn
 eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs through the
-store points inside it).  With free slots the first prompt finishes first instead of every
-prompt finishing late: two cold 1,400-token prompts sent together at Qwen3.5-0.8B's shape on
-the 2-core VM both took 5.8 s point by point, and 3.2-3.7 s and 6.1-6.3 s this way (the first
-one's decode then shares its steps with the other's prefill).  A cut whose store finds no
-checkpoint slot is dropped before the step is sent.
+store points inside it).  With free slots a shorter prompt finishes first: the first prefill
+cuts through, and the others' chunks end at their next point.  Except where that first one
+would finish and leave another prompt of the step no more tokens than it took itself
+(prompts of a size, sent together): the other's remainder would then fill the first one's
+first decode step, its stream stalling a whole prefill step right after its first token.
+Those prefills share the step's budget instead, each cutting through its points while free
+checkpoint and scratch slots last, and finish in the same step (``_share``).  Two cold
+1,400-token prompts sent together at Qwen3.5-0.8B's shape on the 2-core VM took 3.2-3.7 s
+and 6.1-6.3 s first one first, the first one's first decode then taking 2.4 s; point by
+point both took 5.8 s.  A cut whose
+store finds no checkpoint slot is dropped before the step is sent.
 
 While requests decode, a step's prefill may wait: ``--decode-interleave`` runs N decode-only steps
 between prefill steps, ``--decode-first cost`` defers prefill while the running decodes should
@@ -81,7 +87,7 @@ class StepPlanner:
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
         self._cut_room = 0  # cuts inside a prompt left to this step: the first prefill's
-        self._first: int | None = None  # that prefill's index in the plan, when it cuts
+        self._cutters: list[int] = []  # plan indices of the chunks that cut more than once
         self.costs = StepCosts()  # the ranks' step times, for --decode-first cost
         self._prefill_tokens = 0  # prefill tokens of the step in flight
         self._remaining: dict[str, int] = {}  # this step's _remaining_prefill, by rid
@@ -108,7 +114,7 @@ class StepPlanner:
         self._remaining = {}
         self._find_followers()
         self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1)
-        self._first = None
+        self._cutters = []
         budget = self.cfg.chunk_tokens
         decoding = [r for r in table.running if not r.is_prefilling]
         for r in decoding:
@@ -118,7 +124,7 @@ class StepPlanner:
         if (self.policy.takes_prefill(bool(plan.seqs), self._decode_only_run)
                 and not self._decodes_first(decoding, budget)):
             ckpt_locked = self._add_prefills(plan, budget)
-            self._settle_first_cuts(plan)
+            self._settle_cuts(plan)
         self._prefill_tokens = sum(f.num_tokens for f in self._inflight if f.req.is_prefilling)
         has_prefill = self._prefill_tokens > 0
         self._decode_only_run = 0 if has_prefill else self._decode_only_run + 1
@@ -183,6 +189,7 @@ class StepPlanner:
         remaining_of = self._remaining_prefill
         served, skipped, ckpt_locked = [], [], []
         longest, can_admit = 0, True
+        offered, room, chunks = budget, self._cut_room, []  # chunks: (request, tokens taken)
         waiting = [r for r in table.waiting if r.rid not in self._followers]
         for r in policy.order(prefilling, waiting, remaining_of):
             is_admitted = r.slot != 0
@@ -206,8 +213,25 @@ class StepPlanner:
             budget -= taken
             longest = max(longest, taken)
             served.append(r)
+            chunks.append((r, taken))
+        if len(chunks) > 1 and _left(*chunks[0]) == 0 and any(
+                0 < _left(r, taken) <= chunks[0][1] for r, taken in chunks[1:]):
+            self._share(plan, [r for r, _ in chunks], offered, room)
         count_passes(skipped, served)
         return ckpt_locked
+
+    def _share(self, plan: BatchPlan, reqs: list[Req], budget: int, room: int) -> None:
+        """Prompts of a size sent together (the module docstring): the step's prefills, the
+        plan's last sequences, rebuilt to share ``budget`` in turn (each the rest over those
+        left, so a shorter one's unused share goes to the later ones), each cutting through
+        its store points while the ``room`` free checkpoint slots last (less one for each
+        chunk's end store)."""
+        start = len(plan.seqs) - len(reqs)
+        del plan.seqs[start:], self._inflight[start:]
+        self._cutters = [i for i in self._cutters if i < start]
+        self._cut_room = max(0, room - len(reqs) + 1)
+        for k, r in enumerate(reqs):
+            budget -= self._add_chunk(plan, r, budget // (len(reqs) - k))
 
     def _can_hit(self, r: Req) -> bool:
         return self.cfg.prefix_cache and not r.sampling.prompt_logprobs
@@ -370,8 +394,9 @@ class StepPlanner:
         slots = [own] + [x for x in range(base, base + num_scratch) if x != own]
         if len(cuts) > num_scratch:
             end, cuts = r.computed + cuts[num_scratch], cuts[:num_scratch]
+        self._cut_room -= len([c for c in cuts if r.computed + c < len(r.prompt) - 1])
         if len(cuts) > 1:  # more than its own scratch slot: settled once the step is planned
-            self._first = len(plan.seqs)
+            self._cutters.append(len(plan.seqs))
         self._add_seq(plan, r, end, list(zip(cuts, slots)))
         return end - r.computed
 
@@ -389,27 +414,31 @@ class StepPlanner:
                 and point not in self._share_points.get(r.rid, ())
                 and point != self.table.cache.cached_len(r.prompt))
 
-    def _settle_first_cuts(self, plan: BatchPlan) -> None:
-        """Give the first prefill's cuts the scratch slots no other sequence of the step uses
-        (its own first: the others' end-of-prompt snapshots and dasc-wr replays take theirs),
-        and end its chunk at the first cut left without one."""
-        if self._first is None:
+    def _settle_cuts(self, plan: BatchPlan) -> None:
+        """Give the cutting chunks the scratch slots no other sequence of the step uses, each
+        its own first (the others' end-of-prompt snapshots and dasc-wr replays take theirs),
+        then the spare ones in plan order; a chunk ends at its first cut left without one."""
+        if not self._cutters:
             return
-        i, f = self._first, self._inflight[self._first]
-        r, own = f.req, self._scratch_slot(f.req)
-        used = {slot for q in plan.seqs if q is not f.step for _, slot in q.snapshots}
+        cutting = set(self._cutters)
+        used = {slot for i, q in enumerate(plan.seqs) if i not in cutting
+                for _, slot in q.snapshots}
         used.update(plan.refresh_scratch)
+        used.update(self._scratch_slot(self._inflight[i].req) for i in self._cutters)
         base = self.cfg.scratch_slot_base
-        slots = [own] + [x for x in range(base, base + self.cfg.max_running_requests)
-                         if x != own and x not in used]
-        cuts = [c for c, _ in f.step.snapshots]
-        if len(cuts) <= len(slots):
-            f.step.snapshots = list(zip(cuts, slots))
-            return
-        del plan.seqs[i], self._inflight[i]  # rebuilt shorter, in its place
-        self._add_seq(plan, r, r.computed + cuts[len(slots)], list(zip(cuts, slots)))
-        plan.seqs.insert(i, plan.seqs.pop())
-        self._inflight.insert(i, self._inflight.pop())
+        spare = [x for x in range(base, base + self.cfg.max_running_requests) if x not in used]
+        for i in self._cutters:
+            f = self._inflight[i]
+            r, cuts = f.req, [c for c, _ in f.step.snapshots]
+            slots = [self._scratch_slot(r)] + spare[: len(cuts) - 1]
+            spare = spare[len(slots) - 1 :]
+            if len(cuts) <= len(slots):
+                f.step.snapshots = list(zip(cuts, slots))
+                continue
+            del plan.seqs[i], self._inflight[i]  # rebuilt shorter, in its place
+            self._add_seq(plan, r, r.computed + cuts[len(slots)], list(zip(cuts, slots)))
+            plan.seqs.insert(i, plan.seqs.pop())
+            self._inflight.insert(i, self._inflight.pop())
 
     def _add_seq(self, plan: BatchPlan, r: Req, end: int,
                  snapshots: list[tuple[int, int]] | None = None) -> None:
@@ -453,6 +482,11 @@ class StepPlanner:
         plan.stores_after.append((source, ckpt))
         r.pending_stores.append((end, ckpt))
         return True
+
+
+def _left(r: Req, taken: int) -> int:
+    """Prompt tokens ``r`` has left after a chunk of ``taken`` tokens."""
+    return len(r.prompt) - r.computed - taken
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -75,19 +75,63 @@ def _chunks(loop: Loop) -> list[list[tuple[str, int, int, list[int]]]]:
              for q in p.seqs] for p in loop.plans if p.seqs]
 
 
-def test_the_first_prefill_runs_through_its_points_the_others_advance_point_by_point():
-    """Two 30-token prompts at once with room in the pool: the first in the policy's order runs
-    through its store points (8, 16, 24) and the end minus one (29) in one step, on scratch
-    slots nobody else uses in that step; the other's chunk ends at its next point, then it runs
-    through the rest."""
+def test_a_shorter_first_prefill_runs_through_its_points_the_others_advance_point_by_point():
+    """A 20-token and a 40-token prompt at once with room in the pool: the first in the
+    policy's order (the shorter) runs through its store point (8, 16) and the end minus one
+    (19) in one step, on scratch slots nobody else uses in that step; the other's chunk ends at
+    its next point, and its 32 tokens left, more than the first's chunk, run on."""
     s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(20, seed=1), prompt_of(40, seed=2)
+    assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
+    loop.run()
+    steps = _chunks(loop)
+    assert steps == [[("a", 0, 20, [8, 16, 19]), ("b", 0, 8, [])],
+                     [("b", 8, 32, [8, 16, 24, 31])]]
+    assert all(s.cache.ckpt_at(a[:end]) is not None for end in (8, 16, 19))
+    assert all(s.cache.ckpt_at(b[:end]) is not None for end in (8, 16, 24, 32, 39))
+    assert_drained(s)
+
+
+def test_prompts_of_a_size_that_prefill_together_finish_in_the_same_step():
+    """Two 40-token prompts at once with room in the pool: had the first run through its
+    points to its end, the other's 32 tokens left would have filled the first one's first
+    decode step.  So they share the step's 64 tokens, each cutting through its points on
+    scratch slots of its own (8, 16, 24, and the chunk's end at 32 stores from its active
+    slot), finish in the same step, each storing every point, then decode together."""
+    s = make(max_running_requests=8, num_checkpoint_slots=16, chunked_prefill_size=64,
+             cache_finished=False, park_finished=False)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(40, seed=1), prompt_of(40, seed=2)
+    assert loop.add("a", a, 3) is None and loop.add("b", b, 3) is None
+    loop.run()
+    steps = _chunks(loop)
+    assert steps == [[("a", 0, 32, [8, 16, 24]), ("b", 0, 32, [8, 16, 24])],
+                     [("a", 32, 8, [7]), ("b", 32, 8, [7])],
+                     [("a", 40, 1, []), ("b", 40, 1, [])], [("a", 41, 1, []), ("b", 41, 1, [])]]
+    first = [p for p in loop.plans if p.seqs][0]
+    slots = [x for q in first.seqs for _, x in q.snapshots]
+    assert len(set(slots)) == 6 and min(slots) >= s.cfg.scratch_slot_base
+    assert all(s.cache.ckpt_at(p[:end]) is not None for p in (a, b)
+               for end in (8, 16, 24, 32, 39))
+    assert_drained(s)
+
+
+def test_prompts_of_a_size_share_what_scratch_slots_there_are():
+    """Two 30-token prompts with four active slots, so four scratch slots for eight cuts: the
+    first chunk takes its own and the two nobody owns and ends at its fourth cut (29), the
+    other takes its own and ends at its second (16).  No scratch slot serves two cuts of a
+    step, and every point is stored."""
+    s = make(max_running_requests=4, num_checkpoint_slots=16, chunked_prefill_size=64,
+             cache_finished=False, park_finished=False)
     loop = Loop(s, random_tokens())
     a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
     assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
     loop.run()
-    steps = _chunks(loop)
-    assert steps == [[("a", 0, 30, [8, 16, 24, 29]), ("b", 0, 8, [])],
-                     [("b", 8, 22, [8, 16, 21])]]
+    assert _chunks(loop)[0] == [("a", 0, 29, [8, 16, 24]), ("b", 0, 16, [8])]
+    for plan in loop.plans:
+        slots = [x for q in plan.seqs for _, x in q.snapshots]
+        assert len(set(slots)) == len(slots)
     assert all(s.cache.ckpt_at(p[:end]) is not None for p in (a, b) for end in (8, 16, 24, 29))
     assert_drained(s)
 
