@@ -65,6 +65,7 @@ class SnapshotRound:
     cu_seqlens: list[int]  # over those segments
     copy_seqs: torch.Tensor  # sequences whose state is copied out after this round (maybe none)
     copy_slots: torch.Tensor  # into these slots
+    spans: list[tuple[int, int]]  # each segment's rows [start, end), as ``rows`` lists them
 
 
 @dataclass(slots=True)
@@ -90,19 +91,20 @@ class Snapshots:
 
         rounds = []
         for j in range(1 + max(len(s.snapshots) for s in seqs)):
-            members, rows, cu, copy_seqs, copy_slots = [], [], [0], [], []
+            members, rows, cu, copy_seqs, copy_slots, spans = [], [], [0], [], [], []
             for i, s in enumerate(seqs):
                 bounds = [0] + [c for c, _ in s.snapshots] + [len(s.token_ids)]
                 if j + 1 >= len(bounds):
                     continue
                 members.append(i)
-                rows.extend(range(starts[i] + bounds[j], starts[i] + bounds[j + 1]))
+                spans.append((starts[i] + bounds[j], starts[i] + bounds[j + 1]))
+                rows.extend(range(*spans[-1]))
                 cu.append(cu[-1] + bounds[j + 1] - bounds[j])
                 if j < len(s.snapshots):
                     copy_seqs.append(i)
                     copy_slots.append(s.snapshots[j][1])
             rounds.append(SnapshotRound(index(members), index(rows), cu, index(copy_seqs),
-                                        index(copy_slots)))
+                                        index(copy_slots), spans))
         return cls(rounds, [s.snapshots for s in seqs])
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.delta_rule.cpu_chunk import chunk_runs
 from kernels.short_conv.naive import conv_decode_into, conv_varlen
 from model_runner.batch import ForwardBatch, Snapshots
 from model_runner.compression.placement import check_head_order, owned_bundles
@@ -86,14 +87,25 @@ def _snapshot_recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: li
                          q, k, v, g, beta) -> torch.Tensor:
     """``_recurrence`` of the step's own sequences, with each snapshot's state copied into its
     slot: the sequences run in rounds, segment by segment between their cuts, and after each
-    round the states of the sequences cut there are copied out (``Snapshots``)."""
+    round the states of the sequences cut there are copied out (``Snapshots``).  A segment's
+    operands are row slices of the step's (views, no copies): a round of one segment runs on
+    them, and so does each segment of a round wherever the C kernel runs (GDN on the CPU):
+    it runs every (sequence, head) alone, so a segment gets the bits of their batch; any other
+    round gathers its rows (the torch form batches its sequences' chunks)."""
     if snap is None:
         return _recurrence(pool, slots, cu_seqlens, scale, operand_dtype, q, k, v, g, beta)
+    operands = (q, k, v, g, beta)
+    alone = chunk_runs(*operands)
     o = v.new_empty(v.shape, dtype=torch.float32)
     for rnd in snap.rounds:
-        rows = rnd.rows
-        o[rows] = _recurrence(pool, slots[rnd.seqs], rnd.cu_seqlens, scale, operand_dtype,
-                              *(x[rows] for x in (q, k, v, g, beta)))
+        if len(rnd.spans) == 1 or alone:
+            for i, (a, b) in zip(rnd.seqs.tolist(), rnd.spans):
+                o[a:b] = _recurrence(pool, slots[i : i + 1], [0, b - a], scale, operand_dtype,
+                                     *(x[a:b] for x in operands))
+        else:
+            rows = rnd.rows
+            o[rows] = _recurrence(pool, slots[rnd.seqs], rnd.cu_seqlens, scale, operand_dtype,
+                                  *(x[rows] for x in operands))
         if len(rnd.copy_seqs):
             pool[rnd.copy_slots] = pool[slots[rnd.copy_seqs]]
     return o
