@@ -29,9 +29,9 @@ first decode step, its stream stalling a whole prefill step right after its firs
 Those prefills share the step's budget instead, each cutting through its points while free
 checkpoint and scratch slots last, and finish in the same step (``_share``).  Two cold
 1,400-token prompts sent together at Qwen3.5-0.8B's shape on the 2-core VM took 3.2-3.7 s
-and 6.1-6.3 s first one first, the first one's first decode then taking 2.4 s; point by
-point both took 5.8 s.  A cut whose
-store finds no checkpoint slot is dropped before the step is sent.
+and 6.1-6.3 s first one first, the first one's first decode waiting ~2.4-3 s behind the
+other; point by point both took 5.8 s.  A cut whose store finds no checkpoint slot is
+dropped before the step is sent.
 
 While requests decode, a step's prefill may wait: ``--decode-interleave`` runs N decode-only steps
 between prefill steps, ``--decode-first cost`` defers prefill while the running decodes should
@@ -86,7 +86,8 @@ class StepPlanner:
         self._inflight: list[InFlight] = []  # the plan in flight's sequences, in plan order
         self._step_id = 0
         self._decode_only_run = 0  # steps since the last that carried prefill (decode interleave)
-        self._cut_room = 0  # cuts inside a prompt left to this step: the first prefill's
+        self._cut_room = 0  # cuts inside prompts left to this step (the first prefill's, or
+        # the prefills' that share the step: ``_share``)
         self._cutters: list[int] = []  # plan indices of the chunks that cut more than once
         self.costs = StepCosts()  # the ranks' step times, for --decode-first cost
         self._prefill_tokens = 0  # prefill tokens of the step in flight

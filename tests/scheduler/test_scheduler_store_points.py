@@ -75,16 +75,24 @@ def _chunks(loop: Loop) -> list[list[tuple[str, int, int, list[int]]]]:
              for q in p.seqs] for p in loop.plans if p.seqs]
 
 
+def _sent_together(sizes: tuple[int, int], max_tokens: int = 1, **kw):
+    """Prompts "a" and "b" of these sizes sent at once to a scheduler of 16 checkpoint slots
+    (``kw``: its other settings), run to the end; returns (scheduler, loop, a, b)."""
+    s = make(num_checkpoint_slots=16, chunked_prefill_size=64, cache_finished=False,
+             park_finished=False, **kw)
+    loop = Loop(s, random_tokens())
+    a, b = prompt_of(sizes[0], seed=1), prompt_of(sizes[1], seed=2)
+    assert loop.add("a", a, max_tokens) is None and loop.add("b", b, max_tokens) is None
+    loop.run()
+    return s, loop, a, b
+
+
 def test_a_shorter_first_prefill_runs_through_its_points_the_others_advance_point_by_point():
     """A 20-token and a 40-token prompt at once with room in the pool: the first in the
     policy's order (the shorter) runs through its store point (8, 16) and the end minus one
     (19) in one step, on scratch slots nobody else uses in that step; the other's chunk ends at
     its next point, and its 32 tokens left, more than the first's chunk, run on."""
-    s = make(chunked_prefill_size=64, cache_finished=False, park_finished=False)
-    loop = Loop(s, random_tokens())
-    a, b = prompt_of(20, seed=1), prompt_of(40, seed=2)
-    assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
-    loop.run()
+    s, loop, a, b = _sent_together((20, 40))
     steps = _chunks(loop)
     assert steps == [[("a", 0, 20, [8, 16, 19]), ("b", 0, 8, [])],
                      [("b", 8, 32, [8, 16, 24, 31])]]
@@ -99,12 +107,7 @@ def test_prompts_of_a_size_that_prefill_together_finish_in_the_same_step():
     decode step.  So they share the step's 64 tokens, each cutting through its points on
     scratch slots of its own (8, 16, 24, and the chunk's end at 32 stores from its active
     slot), finish in the same step, each storing every point, then decode together."""
-    s = make(max_running_requests=8, num_checkpoint_slots=16, chunked_prefill_size=64,
-             cache_finished=False, park_finished=False)
-    loop = Loop(s, random_tokens())
-    a, b = prompt_of(40, seed=1), prompt_of(40, seed=2)
-    assert loop.add("a", a, 3) is None and loop.add("b", b, 3) is None
-    loop.run()
+    s, loop, a, b = _sent_together((40, 40), max_tokens=3, max_running_requests=8)
     steps = _chunks(loop)
     assert steps == [[("a", 0, 32, [8, 16, 24]), ("b", 0, 32, [8, 16, 24])],
                      [("a", 32, 8, [7]), ("b", 32, 8, [7])],
@@ -122,12 +125,7 @@ def test_prompts_of_a_size_share_what_scratch_slots_there_are():
     first chunk takes its own and the two nobody owns and ends at its fourth cut (29), the
     other takes its own and ends at its second (16).  No scratch slot serves two cuts of a
     step, and every point is stored."""
-    s = make(max_running_requests=4, num_checkpoint_slots=16, chunked_prefill_size=64,
-             cache_finished=False, park_finished=False)
-    loop = Loop(s, random_tokens())
-    a, b = prompt_of(30, seed=1), prompt_of(30, seed=2)
-    assert loop.add("a", a, 1) is None and loop.add("b", b, 1) is None
-    loop.run()
+    s, loop, a, b = _sent_together((30, 30), max_running_requests=4)
     assert _chunks(loop)[0] == [("a", 0, 29, [8, 16, 24]), ("b", 0, 16, [8])]
     for plan in loop.plans:
         slots = [x for q in plan.seqs for _, x in q.snapshots]
