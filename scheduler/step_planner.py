@@ -9,27 +9,33 @@ paired with the request's active slot, shared with its dasc-wr replay (each line
 snapshots after its merge read the replay), so one per request always exists.
 
 The step's first prefill in the policy's order (the only one when it prefills alone) runs
-through the store points inside it (``--checkpoint-interval``), each cut into a free
-checkpoint slot (one is kept for the chunk's end store) and a scratch slot (its own, then
-any other that no other sequence of the step uses, settled once the whole step is planned:
-another prefill's end-of-prompt snapshot and a dasc-wr replay take their own); the chunk ends
-at the first point without them.  Any other prefill's chunk ends at its next point, and a full
-pool evicts for one store at a time, each after the previous one is in the tree.  Except at an
-interval point in the last half interval of a short remainder (a conversation's next turn, an
-agent's new message: ``_passes``): a chunk that reaches the end runs past it unstored rather
-than cost the prompt another step, the end's checkpoint a few tokens on.  So under
-pressure (no free slot) prompts advance point by point, breadth first: cutting through every
-point of several prompts, evicting for several stores in one step, cost the multi-turn
-eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs through the
-store points inside it).  With free slots a shorter prompt finishes first: the first prefill
-cuts through, and the others' chunks end at their next point.  Except where that first one
+through the store points inside it (``--checkpoint-interval``), each cut into a checkpoint
+slot (one is kept for the chunk's end store) and a scratch slot (its own, then any other that
+no other sequence of the step uses, settled once the whole step is planned: another prefill's
+end-of-prompt snapshot and a dasc-wr replay take their own); the chunk ends at the first point
+without them.  Its cuts take the free slots, and a full pool evicts for them too while the
+step's cuts stay under a quarter of the pool (``FULL_POOL_CUT_SHARE``): point by point, a cold
+1,400-token prompt took a step per interval under a full pool, six forwards where one does
+(3.0 against 2.6 s at Qwen3.5-0.8B's shape); the eviction sim over five seeds lost up to 3.4
+points of hit rate at 8-32 slots and kept or raised it from 48 on, with up to a third fewer
+chunks; evicting for more in one step drops checkpoints that hits between those steps would
+have kept (docs/results/serving.md, "A full pool's cuts").  Any other prefill's chunk ends at
+its next point, and a full pool evicts for one store at a time, each after the previous one is
+in the tree.  Except at an interval point in the last half interval of a short remainder (a
+conversation's next turn, an agent's new message: ``_passes``): a chunk that reaches the end
+runs past it unstored rather than cost the prompt another step, the end's checkpoint a few
+tokens on.  So prompts after the first advance point by point, breadth first: cutting through
+every point of several prompts, evicting for several stores in one step, cost the
+multi-turn eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs
+through the store points inside it).  A shorter prompt finishes first: the first prefill cuts
+through, and the others' chunks end at their next point.  Except where that first one
 would finish and leave another prompt of the step no more tokens than it took itself
 (prompts of a size, sent together): the other's remainder would then fill the first one's
 first decode step, its stream stalling a whole prefill step right after its first token.
-Those prefills share the step's budget instead, each cutting through its points while free
-checkpoint and scratch slots last, and finish in the same step (``_share``).  Two cold
-1,400-token prompts sent together at Qwen3.5-0.8B's shape on the 2-core VM took 3.2-3.7 s
-and 6.1-6.3 s first one first, the first one's first decode waiting ~2.4-3 s behind the
+Those prefills share the step's budget instead, each cutting through its points while the
+step's cut room (above) and scratch slots last, and finish in the same step (``_share``).
+Two cold 1,400-token prompts sent together at Qwen3.5-0.8B's shape on the 2-core VM took
+3.2-3.7 s and 6.1-6.3 s first one first, the first one's first decode waiting ~2.4-3 s behind the
 other; point by point both took 5.8 s.  A cut whose store finds no checkpoint slot is
 dropped before the step is sent.
 
@@ -67,6 +73,11 @@ from scheduler.request_table import RequestTable
 from scheduler.step_costs import StepCosts
 from scheduler.wire.rank_messages import BatchPlan, LogitControls, Sample, SeqStep, TierMove
 from scheduler.wire.serve_config import DecodeFirst, LoadPolicy
+
+# A step's cuts inside prompts may take the free checkpoint slots, or up to 1 / this of the pool
+# where fewer are free (evicting for the rest), less one for the chunk's end store: the module
+# docstring.
+FULL_POOL_CUT_SHARE = 4
 
 
 class InFlight(NamedTuple):
@@ -114,7 +125,8 @@ class StepPlanner:
         self._inflight = []
         self._remaining = {}
         self._find_followers()
-        self._cut_room = max(0, table.cache.ckpt_pool.num_free - 1)
+        pool = table.cache.ckpt_pool
+        self._cut_room = max(0, max(pool.num_free, pool.size // FULL_POOL_CUT_SHARE) - 1)
         self._cutters = []
         budget = self.cfg.chunk_tokens
         decoding = [r for r in table.running if not r.is_prefilling]
@@ -225,7 +237,7 @@ class StepPlanner:
         """Prompts of a size sent together (the module docstring): the step's prefills, the
         plan's last sequences, rebuilt to share ``budget`` in turn (each the rest over those
         left, so a shorter one's unused share goes to the later ones), each cutting through
-        its store points while the ``room`` free checkpoint slots last (less one for each
+        its store points while the ``room`` checkpoint slots last (less one for each
         chunk's end store)."""
         start = len(plan.seqs) - len(reqs)
         del plan.seqs[start:], self._inflight[start:]

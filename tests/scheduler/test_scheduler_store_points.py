@@ -69,6 +69,24 @@ def test_cuts_inside_a_prompt_take_only_free_checkpoint_slots():
     assert_drained(s)
 
 
+def test_a_full_pool_evicts_for_cuts_up_to_a_quarter_of_its_slots():
+    """A 16-slot pool filled by an earlier prompt's 17 store points: the next prompt's first
+    chunk still cuts through its points, evicting a checkpoint for each, while the step's
+    evictions stay within a quarter of the pool (three cuts, 8, 16, 24, and the end store at
+    32); the next chunk runs to the end.  Every point is stored."""
+    s = make(num_checkpoint_slots=16, chunked_prefill_size=256, cache_finished=False,
+             park_finished=False)
+    loop = Loop(s, random_tokens())
+    run_one(loop, "x", prompt_of(130, seed=1), 1)
+    assert s.cache.ckpt_pool.num_free == 0
+    prompt = prompt_of(41, seed=2)
+    loop.plans.clear()
+    run_one(loop, "a", prompt, 1)
+    assert _chunks(loop) == [[("a", 0, 32, [8, 16, 24])], [("a", 32, 9, [8])]]
+    assert all(s.cache.ckpt_at(prompt[:end]) is not None for end in (8, 16, 24, 32, 40))
+    assert_drained(s)
+
+
 def _chunks(loop: Loop) -> list[list[tuple[str, int, int, list[int]]]]:
     """Each step's sequences: (request, start, tokens, cuts)."""
     return [[(q.rid, q.prefix_len, len(q.token_ids), [c for c, _ in q.snapshots])
