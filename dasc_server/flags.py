@@ -223,6 +223,11 @@ def add_scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "hit from its third sharer on, from its second when they are in flight "
                         "together), all (the interval and the prompt end) or "
                         "reuse (the prompt end and the branch point; the interval plays no part)")
+    g.add_argument("--step-log", metavar="FILE", default=None,
+                   help="append a line per step to FILE: when it started (Unix seconds), its "
+                        "wall and rank-0 seconds, its id, each sequence as "
+                        "rid:start+tokens (s: it samples; cN: N cuts inside it), and its "
+                        "checkpoint loads and stores (default: off)")
     g.add_argument("--no-prefix-cache", action="store_true", help="never match nor store")
     g.add_argument("--no-cache-finished", action="store_true",
                    help="do not cache prompt + output when a request finishes")
@@ -300,7 +305,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         decode_interleave=a.decode_interleave, checkpoint_eviction=a.checkpoint_eviction,
         checkpoint_admission=a.checkpoint_admission, prefix_cache=not a.no_prefix_cache,
         cache_finished=not a.no_cache_finished, park_finished=not a.no_park_finished,
-        decode_first=a.decode_first, batch_wait_ms=a.batch_wait_ms)
+        decode_first=a.decode_first, batch_wait_ms=a.batch_wait_ms,
+        step_log=str(Path(a.step_log).resolve()) if a.step_log else None)
     tier = CacheTierConfig(
         cache_tier_dir=str(Path(a.cache_tier_dir).resolve()) if a.cache_tier_dir else None,
         cache_tier_bytes=a.cache_tier_bytes, cache_tier_eviction=a.cache_tier_eviction,
@@ -337,6 +343,8 @@ def validate(args: argparse.Namespace) -> None:
         if args.wmax != 0 or args.selection != Selection.DASC.value:
             raise ValueError("--target-slots chooses W_max for dasc's selection: drop --wmax "
                              "and --selection")
+    if args.step_log and not Path(args.step_log).resolve().parent.is_dir():
+        raise ValueError(f"--step-log {args.step_log}: its folder does not exist")
     if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
                          f"--node-rank must lie in [0, {args.nnodes})")

@@ -29,7 +29,7 @@ from scheduler.wire.messages import (
     StatsReq,
     TokenBatch,
 )
-from scheduler.wire.rank_messages import RankInfo, StepResult
+from scheduler.wire.rank_messages import BatchPlan, RankInfo, StepResult
 from scheduler.wire.serve_config import SchedulingConfig, ServeConfig
 
 IDLE_POLL_S = 0.5
@@ -43,6 +43,8 @@ class SchedulerProcess:
         self.num_steps = 0
         self._checked = False  # the books were checked since the last step
         self._finished_at: float | None = None  # when the last step that finished requests ended
+        log = sched.cfg.step_log
+        self._step_log = open(log, "a", buffering=1) if log else None  # --step-log, line-buffered
 
     def run(self) -> None:
         while True:
@@ -64,7 +66,11 @@ class SchedulerProcess:
                 ipc.send(self.front, TokenBatch(outs))
                 if any(out.finished for out in outs):
                     self._finished_at = time.perf_counter()
-            self.step_s += time.perf_counter() - started
+            wall_s = time.perf_counter() - started
+            self.step_s += wall_s
+            if self._step_log is not None:
+                self._step_log.write(step_line(plan, time.time() - wall_s, wall_s,
+                                               result.compute_s))
             self.compute_s += result.compute_s
             self.num_steps += 1
 
@@ -148,6 +154,17 @@ class SchedulerProcess:
             elif isinstance(msg, Shutdown):
                 return False
         return True
+
+
+def step_line(plan: BatchPlan, started: float, wall_s: float, compute_s: float) -> str:
+    """One ``--step-log`` line: when the step started (Unix seconds), its wall and rank-0
+    seconds, its id, each sequence as rid:start+tokens (``s``: it samples, ``cN``: N cuts
+    inside it), and its checkpoint loads and stores (before and after the forward)."""
+    seqs = " ".join(f"{q.rid}:{q.prefix_len}+{len(q.token_ids)}{'s' if q.sample else ''}"
+                    f"{f'c{len(q.snapshots)}' if q.snapshots else ''}" for q in plan.seqs)
+    return (f"{started:.3f} {wall_s:.3f} {compute_s:.3f} step={plan.step_id} [{seqs}] "
+            f"loads={len(plan.loads)} stores={len(plan.stores_before)}+{len(plan.stores_after)}"
+            "\n")
 
 
 def prefill_budget(tokens_per_s: float, step_target_ms: float, low: int = 64,

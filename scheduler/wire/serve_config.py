@@ -225,6 +225,7 @@ class SchedulingConfig:
     prefix_cache: bool = True  # False: never match nor store
     cache_finished: bool = True  # cache prompt + output when a request finishes
     park_finished: bool = True  # a finished request's slot stays in the tree until needed
+    step_log: str | None = None  # a file the scheduler appends a line per step to (--step-log)
 
     def __post_init__(self):
         _coerce(self)

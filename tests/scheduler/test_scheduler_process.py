@@ -234,3 +234,34 @@ def test_prompts_arriving_together_start_in_one_step(monkeypatch, wait_ms):
     with _scheduler_loop(monkeypatch, batch_wait_ms=wait_ms) as (front, rank, checks):
         assert _first_plan_rids(front, rank, gap_s=0.2) == (["b", "c"] if wait_ms else ["b"])
         assert _first_plan_rids(front, rank, gap_s=0.2) == (["b", "c"] if wait_ms else ["b"])
+
+
+def test_the_step_log_has_a_line_per_step(monkeypatch, tmp_path):
+    """``--step-log``: a line per step sent to rank 0, with the rank's seconds as it reported
+    them, each sequence as rid:start+tokens (s: it samples, cN: N cuts) and the step's
+    checkpoint loads and stores: the prompt whole, cut at its end minus one, stored after the
+    forward; its one decode step; the finished request's store in a step of its own."""
+    from scheduler.wire import ipc
+    from scheduler.wire.messages import GenerateReq, SamplingParams
+    from scheduler.wire.rank_messages import StepResult
+
+    log = tmp_path / "steps.log"
+    with _scheduler_loop(monkeypatch, step_log=str(log), batch_wait_ms=0.0) as (front, rank, _):
+        ipc.send(front, GenerateReq("a", [3, 4, 5, 6], SamplingParams(max_tokens=2)))
+        steps = 0
+        assert rank.poll(10.0)
+        while rank.poll(1.5):
+            plan = ipc.recv(rank)
+            sampled = [q for q in plan.seqs if q.sample is not None]
+            ipc.send(rank, StepResult(plan.step_id, [7] * len(sampled), 0.25,
+                                      [0.0] * len(sampled)))
+            steps += 1
+        while front.poll(0.1):
+            ipc.recv(front)
+    lines = [line.split(" ", 4) for line in log.read_text().splitlines()]
+    assert len(lines) == steps == 3
+    assert all(float(rank_s) == 0.25 and float(wall) >= 0.0 for _, wall, rank_s, _, _ in lines)
+    assert [" ".join(line[3:]) for line in lines] == ["step=1 [a:0+4sc1] loads=0 stores=0+1",
+                                                      "step=2 [a:4+1s] loads=0 stores=0+0",
+                                                      "step=3 [] loads=0 stores=1+0"]
+    assert abs(float(lines[0][0]) - time.time()) < 60  # Unix seconds
