@@ -279,6 +279,13 @@ def test_target_slots_choose_w_max_before_anything_starts(capsys):
             serve_config(args)
 
 
+def test_a_step_log_in_a_missing_folder_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="--step-log .*: its folder does not exist"):
+        validate(parse_args(["--step-log", str(tmp_path / "missing" / "steps.log")]))
+    validate(parse_args(["--step-log", str(tmp_path / "steps.log")]))
+    assert not (tmp_path / "steps.log").exists()  # nothing is written before the server runs
+
+
 @pytest.mark.parametrize("flags,parks", [([], True), (["--no-park-finished"], False),
                                          (["--no-cache-finished"], False),
                                          (["--no-prefix-cache"], False)])
