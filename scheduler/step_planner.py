@@ -9,35 +9,34 @@ paired with the request's active slot, shared with its dasc-wr replay (each line
 snapshots after its merge read the replay), so one per request always exists.
 
 The step's first prefill in the policy's order (the only one when it prefills alone) runs
-through the store points inside it (``--checkpoint-interval``), each cut into a checkpoint
-slot (one is kept for the chunk's end store) and a scratch slot (its own, then any other that
-no other sequence of the step uses, settled once the whole step is planned: another prefill's
+through the store points inside it (``--checkpoint-interval``), each cut into a checkpoint slot
+(one is kept for the chunk's end store) and a scratch slot (its own, then any other that no
+other sequence of the step uses, settled once the whole step is planned: another prefill's
 end-of-prompt snapshot and a dasc-wr replay take their own); the chunk ends at the first point
 without them.  Its cuts take the free slots, and a full pool evicts for them too while the
 step's cuts stay under a quarter of the pool (``FULL_POOL_CUT_SHARE``): point by point, a cold
-1,400-token prompt took a step per interval under a full pool, six forwards where one does
-(3.0 against 2.6 s at Qwen3.5-0.8B's shape); the eviction sim over five seeds lost up to 3.4
-points of hit rate at 8-32 slots and kept or raised it from 48 on, with up to a third fewer
-chunks; evicting for more in one step drops checkpoints that hits between those steps would
-have kept (docs/results/serving.md, "A full pool's cuts").  Any other prefill's chunk ends at
-its next point, and a full pool evicts for one store at a time, each after the previous one is
-in the tree.  Except at an interval point in the last half interval of a short remainder (a
+1,400-token prompt took a step per interval under a full pool, six forwards where one does (3.0
+against 2.6 s at Qwen3.5-0.8B's shape); the eviction sim over five seeds lost up to 3.4 points
+of hit rate at 8-32 slots and kept it within 0.2 or raised it from 48 on, with up to a third
+fewer chunks; evicting for more in one step drops checkpoints that hits between those steps
+would have kept (docs/results/serving.md, "A full pool's cuts").  Any other prefill's chunk ends
+at its next point, and a full pool evicts for one store at a time, each after the previous one
+is in the tree.  Except at an interval point in the last half interval of a short remainder (a
 conversation's next turn, an agent's new message: ``_passes``): a chunk that reaches the end
 runs past it unstored rather than cost the prompt another step, the end's checkpoint a few
 tokens on.  So prompts after the first advance point by point, breadth first: cutting through
-every point of several prompts, evicting for several stores in one step, cost the
-multi-turn eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs
-through the store points inside it).  A shorter prompt finishes first: the first prefill cuts
-through, and the others' chunks end at their next point.  Except where that first one
-would finish and leave another prompt of the step no more tokens than it took itself
-(prompts of a size, sent together): the other's remainder would then fill the first one's
-first decode step, its stream stalling a whole prefill step right after its first token.
-Those prefills share the step's budget instead, each cutting through its points while the
-step's cut room (above) and scratch slots last, and finish in the same step (``_share``).
-Two cold 1,400-token prompts sent together at Qwen3.5-0.8B's shape on the 2-core VM took
-3.2-3.7 s and 6.1-6.3 s first one first, the first one's first decode waiting ~2.4-3 s behind the
-other; point by point both took 5.8 s.  A cut whose store finds no checkpoint slot is
-dropped before the step is sent.
+every point of several prompts, evicting for several stores in one step, cost the multi-turn
+eviction sim up to 15 points of hit rate (docs/results/serving.md, a chunk runs through the
+store points inside it).  A shorter prompt finishes first: the first prefill cuts through, and
+the others' chunks end at their next point.  Except where that first one would finish and leave
+another prompt of the step no more tokens than it took itself (prompts of a size, sent
+together): the other's remainder would then fill the first one's first decode step, its stream
+stalling a whole prefill step right after its first token.  Those prefills share the step's
+budget instead, each cutting through its points while the step's cut room (above) and scratch
+slots last, and finish in the same step (``_share``).  Two cold 1,400-token prompts sent together
+at Qwen3.5-0.8B's shape on the 2-core VM took 3.2-3.7 s and 6.1-6.3 s first one first, the first
+one's first decode waiting ~2.4-3 s behind the other; point by point both took 5.8 s.  A cut
+whose store finds no checkpoint slot is dropped before the step is sent.
 
 While requests decode, a step's prefill may wait: ``--decode-interleave`` runs N decode-only steps
 between prefill steps, ``--decode-first cost`` defers prefill while the running decodes should
