@@ -343,8 +343,11 @@ def validate(args: argparse.Namespace) -> None:
         if args.wmax != 0 or args.selection != Selection.DASC.value:
             raise ValueError("--target-slots chooses W_max for dasc's selection: drop --wmax "
                              "and --selection")
-    if args.step_log and not Path(args.step_log).resolve().parent.is_dir():
-        raise ValueError(f"--step-log {args.step_log}: its folder does not exist")
+    if args.step_log:
+        folder = Path(args.step_log).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ValueError(f"--step-log {args.step_log}: its folder does not exist or is "
+                             "not writable")
     if args.tp % args.nnodes or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--tp {args.tp} must split evenly over --nnodes {args.nnodes}, and "
                          f"--node-rank must lie in [0, {args.nnodes})")

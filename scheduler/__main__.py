@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import TextIO
 
 from scheduler.cache_tier import ENTRY_OVERHEAD, CacheTier, tell
 from scheduler.limits import RankLimits
@@ -43,10 +45,15 @@ class SchedulerProcess:
         self.num_steps = 0
         self._checked = False  # the books were checked since the last step
         self._finished_at: float | None = None  # when the last step that finished requests ended
-        log = sched.cfg.step_log
-        self._step_log = open(log, "a", buffering=1) if log else None  # --step-log, line-buffered
+        self._step_log: TextIO | None = None  # --step-log, open while ``run`` runs
 
     def run(self) -> None:
+        """Plan and run steps until the front end stops the server."""
+        log = self.sched.cfg.step_log
+        with open(log, "a", buffering=1) if log else nullcontext() as self._step_log:
+            self._run_steps()
+
+    def _run_steps(self) -> None:
         while True:
             if not self._take_messages(block=not self.sched.has_work):
                 return

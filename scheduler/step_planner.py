@@ -125,7 +125,7 @@ class StepPlanner:
         self._remaining = {}
         self._find_followers()
         pool = table.cache.ckpt_pool
-        self._cut_room = max(0, max(pool.num_free, pool.size // FULL_POOL_CUT_SHARE) - 1)
+        self._cut_room = max(pool.num_free, pool.size // FULL_POOL_CUT_SHARE, 1) - 1
         self._cutters = []
         budget = self.cfg.chunk_tokens
         decoding = [r for r in table.running if not r.is_prefilling]
