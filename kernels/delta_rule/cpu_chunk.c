@@ -21,8 +21,14 @@
  * products as exp of cumulative-sum differences) they differ in rounding only.  A chunk's
  * operands stay in cache; the state is read twice and written once per chunk.
  *
+ * With amx (a bf16 model on a CPU with AMX), the three products K K^T | Q K^T, K S | Q S and the
+ * state update run on AMX tiles from bf16 operands with FP32 accumulation, as fla's GPU kernels
+ * read them: the chunk's k and q rows, the state entering the chunk, the decayed keys and n are
+ * rounded to bf16 for those products; everything else is the FP32 form above.
+ *
  * Work is split over (sequence, head) pairs, in parallel where built with OpenMP.
  */
+#define _GNU_SOURCE /* syscall */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,6 +39,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define HAVE_X86 1
 #endif
 
@@ -209,10 +217,146 @@ static void rhs_avx512(const float *v, const float *p, float e, float b, int64_t
         _mm512_mask_storeu_ps(y + c, keep, _mm512_mul_ps(d, bv));
     }
 }
+
+/* AMX: 8 tile registers of 16 rows x 64 bytes; a bf16 product adds, per FP32 element of a
+ * 16 x 16 tile, the pairs of a 16 x 32 bf16 tile's row and a 16 x 16-pair tile's column. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 where the CPU has AMX-BF16 and AVX512-BF16 and Linux grants this process the tile state
+ * (asked once; the answer does not change). */
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0)
+        usable = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16") &&
+                 __builtin_cpu_supports("avx512f") &&
+                 syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return usable;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+__attribute__((target("amx-tile")))
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    /* not _tile_loadconfig: gcc's form tells the compiler it reads 8 bytes, and it dropped the
+     * stores of the rest */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+__attribute__((target("amx-tile")))
+static void amx_release(void) {
+    _tile_release();
+}
+
+/* out[M, N] = (accumulate ? out : 0) + A[M, Kd] B[Kd, N], M, N and Kd multiples of 32: A bf16
+ * rows lda apart; B in pairs, Bp[k / 2][n] = B[k][n] | B[k + 1][n] << 16 (rows ldb apart); out
+ * FP32 rows ldo apart.  A 32 x 32 block of out in four tiles. */
+__attribute__((target("amx-tile,amx-bf16")))
+static void gemm_amx(int64_t M, int64_t N, int64_t Kd, const uint16_t *A, int64_t lda,
+                     const uint32_t *Bp, int64_t ldb, float *out, int64_t ldo, int accumulate) {
+    const int64_t so = ldo * 4, sa = lda * 2, sb = ldb * 4;
+    for (int64_t i = 0; i < M; i += 32)
+        for (int64_t j = 0; j < N; j += 32) {
+            float *o = out + i * ldo + j;
+            if (accumulate) {
+                _tile_loadd(0, o, so);
+                _tile_loadd(1, o + 16, so);
+                _tile_loadd(2, o + 16 * ldo, so);
+                _tile_loadd(3, o + 16 * ldo + 16, so);
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int64_t k = 0; k < Kd; k += 32) {
+                _tile_loadd(4, A + i * lda + k, sa);
+                _tile_loadd(5, A + (i + 16) * lda + k, sa);
+                _tile_loadd(6, Bp + k / 2 * ldb + j, sb);
+                _tile_loadd(7, Bp + k / 2 * ldb + j + 16, sb);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, o, so);
+            _tile_stored(1, o + 16, so);
+            _tile_stored(2, o + 16 * ldo, so);
+            _tile_stored(3, o + 16 * ldo + 16, so);
+        }
+}
+
+/* dst[c] = bf16(src[c]) (round to nearest even) for c < n, 0 for n <= c < np (np % 16 == 0). */
+__attribute__((target("avx512f,avx512bf16")))
+static void to_bf16(const float *src, int64_t n, int64_t np, uint16_t *dst) {
+    for (int64_t c = 0; c < np; c += 16) {
+        const __mmask16 keep = c < n ? LANES(n, c) : 0;
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, src + c));
+        _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)h);
+    }
+}
+
+/* dst[c] = bf16(a[c] fa) | bf16(b[c] fb) << 16, c < n (n % 16 == 0); b NULL: the high halves
+ * 0. */
+__attribute__((target("avx512f,avx512bf16")))
+static void pair_bf16(const float *a, float fa, const float *b, float fb, int64_t n,
+                      uint32_t *dst) {
+    const __m512 va = _mm512_set1_ps(fa), vb = _mm512_set1_ps(fb);
+    for (int64_t c = 0; c < n; c += 16) {
+        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + c), va));
+        __m512i w = _mm512_cvtepu16_epi32((__m256i)lo);
+        if (b) {
+            const __m256bh hi = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(b + c), vb));
+            w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+        }
+        _mm512_storeu_si512(dst + c, w);
+    }
+}
+
+/* Rows [0, rows) of X [*, n] (ldx apart), row r times f[r] (f NULL: 1), in pairs:
+ * Xp[r / 2] = X[r] | X[r + 1] << 16, rows past ``rows`` zero, up to rows_p (even). */
+static void pairs_bf16(const float *X, int64_t ldx, int64_t rows, int64_t rows_p, int64_t n,
+                       const float *f, uint32_t *Xp) {
+    for (int64_t r = 0; r < rows_p; r += 2) {
+        uint32_t *dst = Xp + r / 2 * n;
+        if (r >= rows)
+            memset(dst, 0, (size_t)n * sizeof(uint32_t));
+        else
+            pair_bf16(X + r * ldx, f ? f[r] : 1.0f, r + 1 < rows ? X + (r + 1) * ldx : NULL,
+                      f && r + 1 < rows ? f[r + 1] : 1.0f, n, dst);
+    }
+}
+
+/* y[c] = x[c] f + t[c], c < n (n % 16 == 0); y streamed past the caches where 64-byte aligned
+ * (a step's o, larger than the caches, is written without first being read). */
+__attribute__((target("avx512f")))
+static void scale_add(const float *x, float f, const float *t, int64_t n, float *y) {
+    const __m512 fv = _mm512_set1_ps(f);
+    const int stream = ((uintptr_t)y & 63) == 0;
+    for (int64_t c = 0; c < n; c += 16) {
+        const __m512 r = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + c), fv),
+                                       _mm512_loadu_ps(t + c));
+        if (stream)
+            _mm512_stream_ps(y + c, r);
+        else
+            _mm512_storeu_ps(y + c, r);
+    }
+}
 #endif
 
 typedef struct {
-    int simd;
+    int simd, amx;
 } Ops;
 
 static void gemm(const Ops *ops, int64_t M, int64_t N, int64_t Kd, const float *A, int64_t lda,
@@ -303,8 +447,17 @@ static void triangle(const Ops *ops, int64_t L, const float *W, int64_t ldw, int
     }
 }
 
-/* Scratch floats one worker needs for chunk size C (padded to Cp columns), K, V. */
-static int64_t scratch_floats(int64_t C, int64_t Cp, int64_t K, int64_t V) {
+/* Chunk rows padded for the AMX products (a multiple of 32 of bf16 pairs). */
+static int64_t amx_rows(int64_t L) {
+    return (L + 31) / 32 * 32;
+}
+
+/* Scratch floats one worker needs for chunk size C, K, V. */
+static int64_t scratch_floats(int64_t C, int64_t K, int64_t V, int amx) {
+    const int64_t Cp = (C + 15) / 16 * 16, Cq = amx_rows(C);
+    if (amx) /* run_head_amx's buffers */
+        return Cq * K + K * Cq + K * V / 2 + 2 * Cq * Cq + 6 * Cq * V + Cq * Cq / 2 +
+               3 * C * C + 2 * C;
     return 2 * K * Cp + 2 * C * K + 2 * C * Cp + 3 * C * V + 3 * C * C + 2 * C;
 }
 
@@ -358,24 +511,101 @@ static void run_head(const Ops *ops, const float *q, const float *k, int64_t qk_
     }
 }
 
+
+#ifdef HAVE_X86
+/* run_head with the chunk's products on AMX (K, V multiples of 32; tiles configured).  Rows are
+ * padded to Lp (a multiple of 32) with zeros.  The outputs' intra-chunk sum is a product too,
+ * o = scale E Q S + W n with W[i][j] = scale D[i][j] (q_i . k_j) (j <= i), and the state update
+ * takes the decay on n: S <- S E_{L-1} + K^T (D[L-1] n), the keys' transpose then coming from
+ * their pairs.  The forward substitution stays FP32. */
+__attribute__((target("avx512f,avx512bf16")))
+static void run_head_amx(const Ops *ops, const float *q, const float *k, int64_t qk_stride,
+                         const float *v, const float *g, const float *beta, int64_t H,
+                         int64_t h, int64_t K, int64_t V, float scale_, int64_t C, int64_t t0,
+                         int64_t t1, float *S, float *o, float *work) {
+    const int64_t Cq = amx_rows(C);
+    float *dots = work, *PQ = dots + 2 * Cq * Cq, *n = PQ + 2 * Cq * V, *ow = n + Cq * V;
+    float *D = ow + Cq * V, *coef = D + C * C, *wq = coef + C * C, *E = wq + C * C, *a = E + C;
+    uint16_t *kqb = (uint16_t *)(a + C), *ktb = kqb + 2 * Cq * K, *wqb = ktb + K * Cq;
+    uint32_t *kp = (uint32_t *)(wqb + Cq * Cq), *sp = kp + K / 2 * Cq, *np = sp + K / 2 * V;
+    uint32_t *nd = np + Cq / 2 * V;
+    for (int64_t c0 = t0; c0 < t1; c0 += C) {
+        const int64_t L = t1 - c0 < C ? t1 - c0 : C, Lp = amx_rows(L);
+        /* kqb [2 Lp, K]: the chunk's k rows from 0, its q rows from Lp */
+        if (L < Lp) {
+            memset(kqb + L * K, 0, (size_t)((Lp - L) * K) * sizeof(uint16_t));
+            memset(kqb + (Lp + L) * K, 0, (size_t)((Lp - L) * K) * sizeof(uint16_t));
+        }
+        for (int64_t i = 0; i < L; ++i) {
+            to_bf16(k + (c0 + i) * qk_stride, K, K, kqb + i * K);
+            to_bf16(q + (c0 + i) * qk_stride, K, K, kqb + (Lp + i) * K);
+        }
+        /* the keys in pairs of channels: kp[c / 2][j] = k_j[c] | k_j[c + 1] << 16 */
+        transpose(ops, (const float *)kqb, K / 2, Lp, K / 2, (float *)kp, Lp);
+        gemm_amx(2 * Lp, Lp, K, kqb, K, kp, Lp, dots, Lp, 0); /* k_i . k_j, q_i . k_j */
+        pairs_bf16(S, V, K, K, V, NULL, sp);
+        gemm_amx(2 * Lp, V, K, kqb, K, sp, V, PQ, V, 0); /* K S, Q S */
+        const float *kk = dots, *qk = dots + Lp * Lp, *P = PQ, *Qs = PQ + Lp * V;
+        for (int64_t i = 0; i < L; ++i)
+            a[i] = expf(g[(c0 + i) * H + h]);
+        for (int64_t i = 0; i < L; ++i) {
+            E[i] = i ? E[i - 1] * a[i] : a[i];
+            if (i)
+                scale(ops, D + (i - 1) * C, a[i], i, D + i * C);
+            D[i * C + i] = 1.0f;
+        }
+        for (int64_t i = 0; i < L; ++i) {
+            const float b = beta[(c0 + i) * H + h];
+            rhs(ops, v + (c0 + i) * H * V, P + i * V, E[i], b, V, n + i * V);
+            scale2(ops, b, D + i * C, kk + i * Lp, i, 1, coef + i * C);
+            scale2(ops, scale_, D + i * C, qk + i * Lp, i + 1, 0, wq + i * C);
+        }
+        triangle(ops, L, coef, C, 0, n, V, n, V);
+        /* o_i = scale E_i (Q S)_i + (W n)_i */
+        for (int64_t i = 0; i < Lp; ++i)
+            to_bf16(wq + i * C, i < L ? i + 1 : 0, Lp, wqb + i * Lp);
+        pairs_bf16(n, V, L, Lp, V, NULL, np);
+        gemm_amx(Lp, V, Lp, wqb, Lp, np, V, ow, V, 0);
+        for (int64_t i = 0; i < L; ++i)
+            scale_add(Qs + i * V, scale_ * E[i], ow + i * V, V, o + (c0 + i) * H * V);
+        /* S <- S E_{L-1} + K^T (D[L-1] n): the keys' transpose ktb [K, Lp] from their pairs */
+        for (int64_t c = 0; c < K / 2; ++c)
+            for (int64_t j = 0; j < Lp; j += 16) {
+                const __m512i w = _mm512_loadu_si512(kp + c * Lp + j);
+                _mm256_storeu_si256((__m256i *)(ktb + 2 * c * Lp + j), _mm512_cvtepi32_epi16(w));
+                _mm256_storeu_si256((__m256i *)(ktb + (2 * c + 1) * Lp + j),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+            }
+        pairs_bf16(n, V, L, Lp, V, D + (L - 1) * C, nd);
+        scale(ops, S, E[L - 1], K * V, S);
+        gemm_amx(K, V, Lp, ktb, Lp, nd, V, S, V, 1);
+    }
+    _mm_sfence(); /* the streamed o rows before anyone reads them */
+}
+#endif
+
 /* Sequences b < B with tokens [cu[b], cu[b + 1]) of q, k [N, Hk, K], v [N, H, V], g, beta
  * [N, H] (FP32, contiguous); head h of sequence b reads and updates the state
  * pool + slots[b] * slot_stride + h * K * V ([K, V] FP32) and writes o [N, H, V].  H is a
  * multiple of Hk (value head h reads key head h / (H / Hk)).  simd = 0 forces the portable
- * loops (tests); threads: OpenMP workers where built with it.  Returns 0, or -1 when its
+ * loops (tests); amx = 1 takes the AMX products where the CPU has them and K, V are multiples
+ * of 32 (dasc_gdn_chunk_amx); threads: OpenMP workers where built with it.  Returns 0, or -1 when its
  * scratch could not be allocated (then nothing is written). */
 int dasc_gdn_chunk(const float *q, const float *k, const float *v, const float *g,
                    const float *beta, float *pool, int64_t slot_stride, const int64_t *slots,
                    const int64_t *cu, int64_t B, int64_t Hk, int64_t H, int64_t K, int64_t V,
-                   float scale, int64_t C, float *o, int64_t threads, int64_t simd) {
-    Ops ops = {0};
+                   float scale, int64_t C, float *o, int64_t threads, int64_t simd,
+                   int64_t amx) {
+    Ops ops = {0, 0};
 #ifdef HAVE_X86
     ops.simd = simd && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+    ops.amx = ops.simd && amx && K % 32 == 0 && V % 32 == 0 && amx_usable();
 #else
     (void)simd;
+    (void)amx;
 #endif
-    const int64_t Cp = (C + 15) / 16 * 16, ratio = H / Hk, workers = threads > 0 ? threads : 1;
-    const int64_t per_worker = scratch_floats(C, Cp, K, V);
+    const int64_t ratio = H / Hk, workers = threads > 0 ? threads : 1;
+    const int64_t per_worker = scratch_floats(C, K, V, ops.amx);
     float *scratch = malloc((size_t)(workers * per_worker) * sizeof(float));
     if (!scratch)
         return -1;
@@ -389,8 +619,18 @@ int dasc_gdn_chunk(const float *q, const float *k, const float *v, const float *
         float *work = scratch;
 #endif
         const int64_t b = item / H, h = item % H, hk = h / ratio;
+        float *S = pool + slots[b] * slot_stride + h * K * V;
+#ifdef HAVE_X86
+        if (ops.amx) {
+            amx_configure();
+            run_head_amx(&ops, q + hk * K, k + hk * K, Hk * K, v + h * V, g, beta, H, h, K, V,
+                         scale, C, cu[b], cu[b + 1], S, o + h * V, work);
+            amx_release();
+            continue;
+        }
+#endif
         run_head(&ops, q + hk * K, k + hk * K, Hk * K, v + h * V, g, beta, H, h, K, V, scale, C,
-                 cu[b], cu[b + 1], pool + slots[b] * slot_stride + h * K * V, o + h * V, work);
+                 cu[b], cu[b + 1], S, o + h * V, work);
     }
     free(scratch);
     return 0;
@@ -401,6 +641,15 @@ int dasc_gdn_chunk(const float *q, const float *k, const float *v, const float *
 int dasc_gdn_chunk_simd(void) {
 #ifdef HAVE_X86
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* 1 where dasc_gdn_chunk's amx = 1 runs its products on AMX here (for K, V multiples of 32). */
+int dasc_gdn_chunk_amx(void) {
+#ifdef HAVE_X86
+    return dasc_gdn_chunk_simd() && amx_usable();
 #else
     return 0;
 #endif

@@ -21,15 +21,16 @@ from kernels.native_build import F32, I64, PTR, enabled, load_library
 
 SOURCE = Path(__file__).with_name("cpu_chunk.c")
 _SIGNATURES = {"dasc_gdn_chunk": (PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64,
-                                  I64, I64, F32, I64, PTR, I64, I64),
-               "dasc_gdn_chunk_simd": ()}
+                                  I64, I64, F32, I64, PTR, I64, I64, I64),
+               "dasc_gdn_chunk_simd": (), "dasc_gdn_chunk_amx": ()}
 
 
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "cpu_chunk", _SIGNATURES, "the CPU chunked delta rule",
                         flags=("-fopenmp",), returns={"dasc_gdn_chunk": ctypes.c_int,
-                                                      "dasc_gdn_chunk_simd": ctypes.c_int})
+                                                      "dasc_gdn_chunk_simd": ctypes.c_int,
+                                                      "dasc_gdn_chunk_amx": ctypes.c_int})
 
 
 @cache
@@ -39,6 +40,14 @@ def simd_available() -> bool:
     torch form."""
     lib = native_library()
     return lib is not None and bool(lib.dasc_gdn_chunk_simd())
+
+
+@cache
+def amx_available() -> bool:
+    """Whether the kernel's bf16 products run on AMX here (``chunk_in_pool(bf16=True)``): a CPU
+    with AMX-BF16 and AVX512-BF16, and Linux granting the process the tile state."""
+    lib = native_library()
+    return lib is not None and bool(lib.dasc_gdn_chunk_amx())
 
 
 def chunk_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -55,12 +64,14 @@ def chunk_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, pool: torch.Tensor, slots: list[int],
-                  cu_seqlens: list[int], scale: float, chunk_size: int, simd: bool = True
-                  ) -> torch.Tensor | None:
+                  cu_seqlens: list[int], scale: float, chunk_size: int, simd: bool = True,
+                  bf16: bool = False) -> torch.Tensor | None:
     """Sequence i (rows [cu_seqlens[i], cu_seqlens[i + 1]) of q, k [N, Hk, K], v [N, H, V],
     g, beta [N, H]) runs from and into ``pool[slots[i]]`` ([S, H, K, V] FP32).  Returns
     o [N, H, V] FP32, or None where the kernel does not run.  ``simd=False`` takes the portable
-    loops (tests)."""
+    loops (tests).  ``bf16``: the chunk's three products on AMX from bf16-rounded operands
+    (the C source's header) where ``amx_available()`` and K, V are multiples of 32; elsewhere
+    the FP32 form."""
     num_heads, k_dim, v_dim = pool.shape[1:]
     operands = (q, k, v, g, beta)
     if (not chunk_runs(*operands, simd=simd) or pool.device.type != "cpu"
@@ -77,7 +88,7 @@ def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
         pool.data_ptr(), pool.stride(0), index.data_ptr(), cu.data_ptr(), len(slots),
         q.shape[1], num_heads, k_dim, v_dim, scale, chunk_size, o.data_ptr(),
-        torch.get_num_threads(), int(simd))
+        torch.get_num_threads(), int(simd), int(bf16))
     if status != 0:
         raise MemoryError("the CPU chunked delta rule could not allocate its scratch")
     return o

@@ -118,7 +118,8 @@ def _recurrence(pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: list[int], 
     if len(slots) == 0:
         return v.new_empty(v.shape, dtype=torch.float32)
     if not pool.is_cuda and not torch.is_grad_enabled():
-        return recurrence_in_pool(q, k, v, g, beta, pool, slots, cu_seqlens, scale)
+        return recurrence_in_pool(q, k, v, g, beta, pool, slots, cu_seqlens, scale,
+                                  operand_dtype == torch.bfloat16)
     # index_select, not pool[slots]: torch's advanced-indexing gather took 2x as long for
     # states of 2 MB a sequence (real shapes); the decode updates the gathered copy in place
     states = pool.index_select(0, slots)

@@ -21,7 +21,8 @@ is within two bf16 ulps of the CPU path on the same bf16-rounded operands under 
 interpreter, and tests/model_runner/test_cuda_bf16_operands.py checks that on a GPU (not yet run
 on one).  Under the interpreter the chunk kernels return ~1e9 for bf16: it multiplies bf16 bit
 patterns in `tl.dot` (tests/support/fla_interpreted.py).  The CPU path computes in fp32 whatever
-the model's dtype.
+the model's dtype, but for a bf16 model's serving prefill on a CPU with AMX
+(``recurrence_in_pool``): there the C kernel's chunk products read bf16 operands, as fla's do.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ from functools import lru_cache
 
 import torch
 
-from kernels.delta_rule.cpu_chunk import chunk_in_pool, chunk_runs
+from kernels.delta_rule.cpu_chunk import amx_available, chunk_in_pool, chunk_runs
 from kernels.delta_rule.decode import decode_into, decode_step
 from kernels.delta_rule.naive import default_chunk_size, varlen_chunk_delta_rule
 
 # Tokens per chunk of the C kernel (GDN): at Qwen3.5-0.8B's GDN shape (16 heads of 128 x 128),
 # 1,024 tokens, one core: 19.6 ms a layer at 16, 21.6 at 32, 22.7 at 64.
 NATIVE_CHUNK = 16
+# With its products on AMX (a bf16 model): 1,400 tokens at that shape, one core, 11-15 ms a
+# layer at 64, 13-16 at 32, 18-24 at 16 (the FP32 form at 16: 24-25 ms in the same runs).
+AMX_CHUNK = 64
 
 
 def delta_rule_prefill(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float,
@@ -81,16 +85,19 @@ def _chunked(q, k, v, g, beta, states, cu_seqlens: list[int], scale: float):
 
 
 def recurrence_in_pool(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor,
-                       cu_seqlens: list[int], scale: float) -> torch.Tensor:
+                       cu_seqlens: list[int], scale: float, bf16: bool = False) -> torch.Tensor:
     """CPU, without autograd: the sequences of ``cu_seqlens`` from and into ``pool[slots]``
     (FP32); returns o [N, Hv, V] FP32.  One-token sequences update their slots in place
     (``decode_into``: no gather, no write-back), and so do longer GDN ones (the C kernel);
     others are gathered, run as ``_cpu_prefill`` runs them and written back.  The same bits
-    as ``_cpu_prefill`` on the gathered states."""
+    as ``_cpu_prefill`` on the gathered states, but for ``bf16`` (a bf16 model): there the C
+    kernel takes its products on AMX where the CPU has it (``cpu_chunk.amx_available``),
+    from bf16-rounded operands as fla's kernels read them on a GPU."""
     split = _split(tuple(cu_seqlens), q.device)
     if split is None:  # no one-token sequence
+        amx = bf16 and amx_available()
         o = chunk_in_pool(q, k, v, g, beta, pool, slots.tolist(), cu_seqlens, scale,
-                          NATIVE_CHUNK)
+                          AMX_CHUNK if amx else NATIVE_CHUNK, bf16=amx)
         if o is not None:
             return o
         o, finals = varlen_chunk_delta_rule(q, k, v, g, beta, pool.index_select(0, slots),
@@ -104,7 +111,7 @@ def recurrence_in_pool(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor
     o[one_rows] = decode_into(pool, slots[ones].tolist(),
                               *(x[one_rows] for x in (q, k, v, g, beta)), scale)
     o[longer_rows] = recurrence_in_pool(*(x[longer_rows] for x in (q, k, v, g, beta)), pool,
-                                        slots[longer], longer_cu, scale)
+                                        slots[longer], longer_cu, scale, bf16)
     return o
 
 
