@@ -126,6 +126,13 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="copy the weights a decode step streams into transparent huge pages at "
                         "start-up: decode steps took ~0.92x the time on the 2-core VM measured, "
                         "for ~1-10 s more start-up per GB where the kernel first compacts memory")
+    g.add_argument("--cpu-amx-delta-rule", choices=["on", "off"],
+                   default="on" if RANKS.cpu_amx_delta_rule else "off",
+                   help="a bf16 model's chunked delta rule (GDN prefill) with its products on "
+                        "AMX tiles from bf16 operands, FP32 accumulation, as fla's GPU kernels "
+                        "read them, where the CPU has AMX (the kernel ~0.6x the FP32 form's "
+                        "time, a whole prefill ~0.9x at the bench shapes; within bf16 rounding "
+                        "of it); off: FP32 throughout")
     g.add_argument("--cpu-lm-head-screen", choices=values(LmHeadScreen),
                    default=RANKS.cpu_lm_head_screen.value,
                    help="greedy rows that report no logprobs take an int8 copy of the LM head "
@@ -294,6 +301,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         dtype=resolve_dtype(a.dtype, a.model, a.device), device=a.device,
         cpu_fp32_weights=a.cpu_fp32_weights, cpu_packed_weights=a.cpu_packed_weights == "on",
         cpu_huge_pages=a.cpu_huge_pages == "on", cpu_lm_head_screen=a.cpu_lm_head_screen,
+        cpu_amx_delta_rule=a.cpu_amx_delta_rule == "on",
         cuda_graph=not a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
         cuda_graph_max_context=a.cuda_graph_max_context,
         state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots)

@@ -94,6 +94,7 @@ def checkpoint_slots(ranks: RankConfig, slot_bytes: int) -> int:
 
 def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
     ranks, sched, spec = config.ranks, config.scheduling, config.checkpoints
+    cpu_chunk.set_amx(ranks.cpu_amx_delta_rule)  # before the warm-up's and the fingerprint's use
     device = rank_device(ranks.device)
     tp = init_tp_group(device)
     cfg = ModelConfig.from_dir(config.model)

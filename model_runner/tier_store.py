@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.delta_rule import cpu_chunk
 from model_runner.model_files import weight_files
 from scheduler.wire.rank_messages import TierMove
 from scheduler.wire.serve_config import ServeConfig
@@ -49,7 +50,8 @@ MAX_QUEUED_BYTES = 2**30  # copies waiting for the writer; a spill past this fai
 def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
     """What an entry's bytes depend on: config.json, the weight files (header, size, first
     and last MiB), the decay weights, the plan, the checkpoint format, dtypes, the TP degree,
-    the device type and the CPU weight forms (they change the bits a step computes)."""
+    the device type, the CPU weight forms and whether the delta rule's products run on AMX
+    (they change the bits a step computes)."""
     model = Path(config.model)
     files = []
     for path in weight_files(model):
@@ -74,7 +76,7 @@ def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
         "tp": tp_size,
         "device": runner.device.type,
         "ranks": [str(config.ranks.dtype), str(config.ranks.cpu_fp32_weights),
-                  config.ranks.cpu_packed_weights],
+                  config.ranks.cpu_packed_weights, cpu_chunk.amx_runs()],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

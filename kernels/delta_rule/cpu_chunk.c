@@ -21,10 +21,12 @@
  * products as exp of cumulative-sum differences) they differ in rounding only.  A chunk's
  * operands stay in cache; the state is read twice and written once per chunk.
  *
- * With amx (a bf16 model on a CPU with AMX), the three products K K^T | Q K^T, K S | Q S and the
- * state update run on AMX tiles from bf16 operands with FP32 accumulation, as fla's GPU kernels
- * read them: the chunk's k and q rows, the state entering the chunk, the decayed keys and n are
- * rounded to bf16 for those products; everything else is the FP32 form above.
+ * With amx (a bf16 model on a CPU with AMX: run_head_amx), the chunk's products run on AMX tiles
+ * from bf16 operands with FP32 accumulation, as fla's GPU kernels read them: k_i . k_j and
+ * q_i . k_j from the bf16-rounded k and q rows, K S and Q S from them and the bf16-rounded state
+ * entering the chunk, the outputs' intra-chunk sum as bf16(W) bf16(n) with
+ * W[i][j] = scale D[i][j] (q_i . k_j), and the state update as bf16(K)^T bf16(D[L-1] n).  The
+ * decays, the right-hand sides, the forward substitution and the state are FP32 as above.
  *
  * Work is split over (sequence, head) pairs, in parallel where built with OpenMP.
  */

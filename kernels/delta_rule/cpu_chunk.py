@@ -7,6 +7,11 @@ two agree to FP32 rounding (tests/kernels/test_cpu_chunk_native.py: ~1e-6 of the
 hundreds of tokens).  ``chunk_in_pool`` returns None where the kernel does not run (no C
 compiler, ``DASC_NATIVE_KERNELS=0``, a CPU without AVX-512, a per-channel decay, tensors not
 FP32 on the CPU, autograd), and the caller takes the torch form.
+
+``bf16=True`` (a bf16 model's prefill) takes the kernel's AMX form where ``amx_runs()``: its
+chunk products from bf16-rounded operands with FP32 accumulation (``cpu_chunk.c``'s header), at
+~1.6x the FP32 form's speed at Qwen3.5's GDN shape on one core and within bf16 rounding of it;
+tests/kernels/test_cpu_chunk_amx.py checks it against a float64 emulation of the same roundings.
 """
 
 from __future__ import annotations
@@ -40,6 +45,22 @@ def simd_available() -> bool:
     torch form."""
     lib = native_library()
     return lib is not None and bool(lib.dasc_gdn_chunk_simd())
+
+
+_amx_on = True
+
+
+def set_amx(on: bool) -> None:
+    """Let ``amx_runs`` say yes where AMX is here, or never (benchmarks time both forms in one
+    process: ``runner_speed --delta-rule-amx``)."""
+    global _amx_on
+    _amx_on = on
+
+
+def amx_runs() -> bool:
+    """Whether a bf16 model's prefill takes the AMX products: ``amx_available()`` unless
+    switched off by ``set_amx``."""
+    return _amx_on and amx_available()
 
 
 @cache

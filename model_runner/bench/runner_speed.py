@@ -27,6 +27,7 @@ from collections import defaultdict
 import torch
 
 from kernels import native_build
+from kernels.delta_rule import cpu_chunk
 from model_runner.batch import SeqInput
 from model_runner.config import DEFAULT_MODEL
 from model_runner.cpu_features import cpu_has_native_bf16
@@ -104,6 +105,11 @@ def main() -> None:
                    help="the CPU decode C kernels (kernels/delta_rule, kernels/short_conv); "
                         "alternate: decode steps alternate off and on in this process, and "
                         "each decode line reports both (step_ms on, step_ms_off) (default: on)")
+    p.add_argument("--delta-rule-amx", choices=["on", "off", "alternate"], default="on",
+                   help="a bf16 model's chunked delta rule with its products on AMX where the "
+                        "CPU has it (kernels/delta_rule/cpu_chunk.c), or in FP32; alternate: "
+                        "the prefills alternate off and on, and the prefill line reports both "
+                        "(seconds on, seconds_amx_off) (default: on)")
     p.add_argument("--mixed-chunks", type=int, nargs="*", default=[], metavar="C",
                    help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
                         "of another sequence, as a serving step that mixes them")
@@ -151,20 +157,25 @@ def main() -> None:
            model=os.path.basename(os.path.normpath(args.model)), dtype=args.dtype,
            gemm_weight_bytes=runner.gemm_weight_bytes)
     clock = KernelClock() if args.kernel_times else None
-    times, spent = [], []
+    times, spent, times_off = [], [], []
+    modes = [False, True] if args.delta_rule_amx == "alternate" else [args.delta_rule_amx == "on"]
     for _ in range(args.repeats):
-        tp.barrier()
-        if clock:
-            clock.take()
-        start = time.perf_counter()
-        runner.forward([SeqInput(prompt, 0, tables[0], 1)])
-        sync(device)
-        times.append(time.perf_counter() - start)
-        if clock:
-            spent.append(clock.take())
+        for amx in modes:
+            cpu_chunk.set_amx(amx)
+            tp.barrier()
+            if clock:
+                clock.take()
+            start = time.perf_counter()
+            runner.forward([SeqInput(prompt, 0, tables[0], 1)])
+            sync(device)
+            (times if amx or len(modes) == 1 else times_off).append(time.perf_counter() - start)
+            if clock and (amx or len(modes) == 1):
+                spent.append(clock.take())
+    cpu_chunk.set_amx(args.delta_rule_amx != "off")
     report(tp, kind="prefill", tp_size=tp.size, device=str(device), tokens=args.prompt_len,
            seconds=statistics.median(times),
            tokens_per_s=args.prompt_len / statistics.median(times),
+           **({"seconds_amx_off": statistics.median(times_off)} if times_off else {}),
            **({"kernel_ms": kernel_ms(spent)} if clock else {}))
 
     if args.profile and tp.is_first and not args.mixed_chunks:

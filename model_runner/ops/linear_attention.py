@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels.delta_rule.cpu_chunk import amx_available, chunk_in_pool, chunk_runs
+from kernels.delta_rule.cpu_chunk import amx_runs, chunk_in_pool, chunk_runs
 from kernels.delta_rule.decode import decode_into, decode_step
 from kernels.delta_rule.naive import default_chunk_size, varlen_chunk_delta_rule
 
@@ -91,11 +91,11 @@ def recurrence_in_pool(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor
     (``decode_into``: no gather, no write-back), and so do longer GDN ones (the C kernel);
     others are gathered, run as ``_cpu_prefill`` runs them and written back.  The same bits
     as ``_cpu_prefill`` on the gathered states, but for ``bf16`` (a bf16 model): there the C
-    kernel takes its products on AMX where the CPU has it (``cpu_chunk.amx_available``),
+    kernel takes its products on AMX where the CPU has it (``cpu_chunk.amx_runs``),
     from bf16-rounded operands as fla's kernels read them on a GPU."""
     split = _split(tuple(cu_seqlens), q.device)
     if split is None:  # no one-token sequence
-        amx = bf16 and amx_available()
+        amx = bf16 and amx_runs()
         o = chunk_in_pool(q, k, v, g, beta, pool, slots.tolist(), cu_seqlens, scale,
                           AMX_CHUNK if amx else NATIVE_CHUNK, bf16=amx)
         if o is not None:

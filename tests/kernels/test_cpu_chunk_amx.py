@@ -5,8 +5,8 @@ chunk products on AMX tiles from bf16-rounded operands, FP32 accumulation.
   does (so the bf16 rounding, the pair layouts and the padding are where the header puts them).
 - Each (sequence, head) runs alone: a sequence gets the same bits alone and in a batch, with
   one or two OpenMP workers.
-- The runner's entry point takes it for a bf16 model only, and its results stay within bf16
-  rounding of the FP32 form.
+- The runner's entry point takes it for a bf16 model only (and not when switched off:
+  ``--cpu-amx-delta-rule off``), and its results stay within bf16 rounding of the FP32 form.
 Skipped where the CPU has no AMX.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.delta_rule.cpu_chunk import amx_available, chunk_in_pool, native_library
+from kernels.delta_rule.cpu_chunk import amx_available, chunk_in_pool, native_library, set_amx
 from model_runner.ops.linear_attention import AMX_CHUNK, NATIVE_CHUNK, recurrence_in_pool
 
 pytestmark = pytest.mark.skipif(native_library() is None or not amx_available(),
@@ -137,6 +137,13 @@ def test_the_runner_takes_it_for_bf16_models_only():
         assert torch.equal(runs[bf16][0], want[bf16][0])
         assert torch.equal(runs[bf16][1], want[bf16][1])
     (o32, s32), (o16, s16) = runs[False], runs[True]
+    set_amx(False)  # --cpu-amx-delta-rule off: FP32 for a bf16 model too
+    try:
+        off = recurrence_in_pool(q, k, v, g, beta, served := pool.clone(), slots, cu, 0.2,
+                                 bf16=True)
+    finally:
+        set_amx(True)
+    assert torch.equal(off, o32) and torch.equal(served, s32)
     assert not torch.equal(o16, o32)
     assert (o16 - o32).abs().max() < 2e-2 * o32.abs().max()
     assert (s16 - s32).abs().max() < 2e-2 * s32.abs().max()

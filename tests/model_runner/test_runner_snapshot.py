@@ -199,3 +199,22 @@ def test_the_runner_bench_reports_time_inside_each_kernel(tmp_path):
     assert {"attention_decode", "delta_rule_decode"} <= set(rows["decode"]["kernel_ms"])
     assert all(ms >= 0 for r in rows.values() for ms in r["kernel_ms"].values())
     assert 0 < sum(rows["prefill"]["kernel_ms"].values()) < 1000 * rows["prefill"]["seconds"]
+
+
+def test_the_runner_bench_times_the_delta_rule_with_and_without_amx(tmp_path):
+    """``runner_speed --delta-rule-amx alternate``: the prefills alternate the chunked delta
+    rule's AMX form off and on, and the prefill line reports both medians."""
+    import json
+    import subprocess
+    import sys
+
+    from support.random_checkpoints import make_model
+
+    make_model("gdn", tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "model_runner.bench.runner_speed", "--model", str(tmp_path),
+         "--prompt-len", "40", "--decode-batch", "1", "--decode-steps", "1", "--repeats", "2",
+         "--decode-context", "24", "--dtype", "bfloat16", "--delta-rule-amx", "alternate"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    prefill = next(r for r in map(json.loads, out.splitlines()) if r["kind"] == "prefill")
+    assert prefill["seconds"] > 0 and prefill["seconds_amx_off"] > 0
