@@ -449,6 +449,31 @@ static void triangle(const Ops *ops, int64_t L, const float *W, int64_t ldw, int
     }
 }
 
+/* A chunk's FP32 middle, given k_i . k_j (kk) and q_i . k_j (qk), rows ld apart, and P = K S:
+ * the decays a_i, E_i and D (rows C apart), n by forward substitution, and the outputs'
+ * intra-chunk weights wq[i][j] = scale D[i][j] (q_i . k_j), j <= i. */
+static void solve_chunk(const Ops *ops, int64_t L, int64_t C, int64_t c0, const float *g,
+                        const float *beta, const float *v, int64_t H, int64_t h, int64_t V,
+                        float scale_, const float *kk, const float *qk, int64_t ld,
+                        const float *P, float *a, float *E, float *D, float *coef, float *wq,
+                        float *n) {
+    for (int64_t i = 0; i < L; ++i)
+        a[i] = expf(g[(c0 + i) * H + h]);
+    for (int64_t i = 0; i < L; ++i) {
+        E[i] = i ? E[i - 1] * a[i] : a[i];
+        if (i)
+            scale(ops, D + (i - 1) * C, a[i], i, D + i * C);
+        D[i * C + i] = 1.0f;
+    }
+    for (int64_t i = 0; i < L; ++i) {
+        const float b = beta[(c0 + i) * H + h];
+        rhs(ops, v + (c0 + i) * H * V, P + i * V, E[i], b, V, n + i * V);
+        scale2(ops, b, D + i * C, kk + i * ld, i, 1, coef + i * C);
+        scale2(ops, scale_, D + i * C, qk + i * ld, i + 1, 0, wq + i * C);
+    }
+    triangle(ops, L, coef, C, 0, n, V, n, V);
+}
+
 /* Chunk rows padded for the AMX products (a multiple of 32 of bf16 pairs). */
 static int64_t amx_rows(int64_t L) {
     return (L + 31) / 32 * 32;
@@ -487,22 +512,9 @@ static void run_head(const Ops *ops, const float *q, const float *k, int64_t qk_
         transpose(ops, kq, K, L, K, kt, Cp);
         gemm(ops, 2 * L, Cp, K, kq, K, kt, Cp, dots, Cp, 0, 0.0f); /* k_i . k_j, q_i . k_j */
         gemm(ops, 2 * L, V, K, kq, K, S, V, PQ, V, 0, 0.0f);       /* K S, Q S */
-        const float *kk = dots, *qk = dots + L * Cp, *P = PQ, *Qs = PQ + L * V;
-        for (int64_t i = 0; i < L; ++i)
-            a[i] = expf(g[(c0 + i) * H + h]);
-        for (int64_t i = 0; i < L; ++i) {
-            E[i] = i ? E[i - 1] * a[i] : a[i];
-            if (i)
-                scale(ops, D + (i - 1) * C, a[i], i, D + i * C);
-            D[i * C + i] = 1.0f;
-        }
-        for (int64_t i = 0; i < L; ++i) {
-            const float b = beta[(c0 + i) * H + h];
-            rhs(ops, v + (c0 + i) * H * V, P + i * V, E[i], b, V, n + i * V);
-            scale2(ops, b, D + i * C, kk + i * Cp, i, 1, coef + i * C);
-            scale2(ops, scale_, D + i * C, qk + i * Cp, i + 1, 0, wq + i * C);
-        }
-        triangle(ops, L, coef, C, 0, n, V, n, V);
+        const float *Qs = PQ + L * V;
+        solve_chunk(ops, L, C, c0, g, beta, v, H, h, V, scale_, dots, dots + L * Cp, Cp, PQ,
+                    a, E, D, coef, wq, n);
         for (int64_t i = 0; i < L; ++i)
             scale(ops, Qs + i * V, scale_ * E[i], V, o + (c0 + i) * H * V);
         triangle(ops, L, wq, C, 1, n, V, o + c0 * H * V, H * V);
@@ -547,22 +559,9 @@ static void run_head_amx(const Ops *ops, const float *q, const float *k, int64_t
         gemm_amx(2 * Lp, Lp, K, kqb, K, kp, Lp, dots, Lp, 0); /* k_i . k_j, q_i . k_j */
         pairs_bf16(S, V, K, K, V, NULL, sp);
         gemm_amx(2 * Lp, V, K, kqb, K, sp, V, PQ, V, 0); /* K S, Q S */
-        const float *kk = dots, *qk = dots + Lp * Lp, *P = PQ, *Qs = PQ + Lp * V;
-        for (int64_t i = 0; i < L; ++i)
-            a[i] = expf(g[(c0 + i) * H + h]);
-        for (int64_t i = 0; i < L; ++i) {
-            E[i] = i ? E[i - 1] * a[i] : a[i];
-            if (i)
-                scale(ops, D + (i - 1) * C, a[i], i, D + i * C);
-            D[i * C + i] = 1.0f;
-        }
-        for (int64_t i = 0; i < L; ++i) {
-            const float b = beta[(c0 + i) * H + h];
-            rhs(ops, v + (c0 + i) * H * V, P + i * V, E[i], b, V, n + i * V);
-            scale2(ops, b, D + i * C, kk + i * Lp, i, 1, coef + i * C);
-            scale2(ops, scale_, D + i * C, qk + i * Lp, i + 1, 0, wq + i * C);
-        }
-        triangle(ops, L, coef, C, 0, n, V, n, V);
+        const float *Qs = PQ + Lp * V;
+        solve_chunk(ops, L, C, c0, g, beta, v, H, h, V, scale_, dots, dots + Lp * Lp, Lp, PQ,
+                    a, E, D, coef, wq, n);
         /* o_i = scale E_i (Q S)_i + (W n)_i */
         for (int64_t i = 0; i < Lp; ++i)
             to_bf16(wq + i * C, i < L ? i + 1 : 0, Lp, wqb + i * Lp);
