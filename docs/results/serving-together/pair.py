@@ -1,17 +1,39 @@
-import httpx, time, random, sys, json, concurrent.futures as cf
-port=int(sys.argv[1]); n=int(sys.argv[2]); reps=int(sys.argv[3])
-def one(seed):
-    rng=random.Random(seed); p=[rng.randrange(3,256) for _ in range(n)]
-    t=time.perf_counter(); times=[]
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={"prompt":p,"max_tokens":16,"temperature":0,"stream":True,"ignore_eos":True}, timeout=600) as r:
+"""Two random prompts sent together to a dasc server, REPS times, the cache flushed first:
+each stream's TTFT, the gap to its second token and its end, one JSON line per repetition.
+
+python pair.py PORT PROMPT_TOKENS REPS
+"""
+
+import concurrent.futures as cf
+import json
+import random
+import sys
+import time
+
+import httpx
+
+port, n, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+
+
+def one(seed: int) -> list[float]:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 256) for _ in range(n)]
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start, times = time.perf_counter(), []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                      timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data:") and '"text"' in line:
-                times.append(time.perf_counter()-t)
+                times.append(time.perf_counter() - start)
     return times
-for rep in range(reps):
+
+
+for _ in range(reps):
     httpx.post(f"http://127.0.0.1:{port}/flush_cache", timeout=60)
-    base=random.randrange(10**9)
+    base = random.randrange(10**9)
     with cf.ThreadPoolExecutor(2) as ex:
-        res=list(ex.map(one, [base, base+1]))
-    out=[dict(ttft=round(t[0],3), first_gap=round(t[1]-t[0],3), end=round(t[-1],3)) for t in res]
+        results = list(ex.map(one, [base, base + 1]))
+    out = [dict(ttft=round(t[0], 3), first_gap=round(t[1] - t[0], 3), end=round(t[-1], 3))
+           for t in results]
     print(json.dumps(out), flush=True)
