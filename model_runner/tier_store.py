@@ -76,7 +76,8 @@ def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
         "tp": tp_size,
         "device": runner.device.type,
         "ranks": [str(config.ranks.dtype), str(config.ranks.cpu_fp32_weights),
-                  config.ranks.cpu_packed_weights, cpu_chunk.amx_runs()],
+                  config.ranks.cpu_packed_weights,
+                  cpu_chunk.amx_runs(*runner.state.temporal.shape[-2:])],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

@@ -525,7 +525,6 @@ static void run_head(const Ops *ops, const float *q, const float *k, int64_t qk_
     }
 }
 
-
 #ifdef HAVE_X86
 /* run_head with the chunk's products on AMX (K, V multiples of 32; tiles configured).  Rows are
  * padded to Lp (a multiple of 32) with zeros.  The outputs' intra-chunk sum is a product too,
@@ -589,9 +588,9 @@ static void run_head_amx(const Ops *ops, const float *q, const float *k, int64_t
  * [N, H] (FP32, contiguous); head h of sequence b reads and updates the state
  * pool + slots[b] * slot_stride + h * K * V ([K, V] FP32) and writes o [N, H, V].  H is a
  * multiple of Hk (value head h reads key head h / (H / Hk)).  simd = 0 forces the portable
- * loops (tests); amx = 1 takes the AMX products where the CPU has them and K, V are multiples
- * of 32 (dasc_gdn_chunk_amx); threads: OpenMP workers where built with it.  Returns 0, or -1 when its
- * scratch could not be allocated (then nothing is written). */
+ * loops (tests); amx = 1 takes the AMX products where the CPU has them and K, V are
+ * multiples of 32 (dasc_gdn_chunk_amx); threads: OpenMP workers where built with it.  Returns
+ * 0, or -1 when its scratch could not be allocated (then nothing is written). */
 int dasc_gdn_chunk(const float *q, const float *k, const float *v, const float *g,
                    const float *beta, float *pool, int64_t slot_stride, const int64_t *slots,
                    const int64_t *cu, int64_t B, int64_t Hk, int64_t H, int64_t K, int64_t V,

@@ -8,7 +8,7 @@ hundreds of tokens).  ``chunk_in_pool`` returns None where the kernel does not r
 compiler, ``DASC_NATIVE_KERNELS=0``, a CPU without AVX-512, a per-channel decay, tensors not
 FP32 on the CPU, autograd), and the caller takes the torch form.
 
-``bf16=True`` (a bf16 model's prefill) takes the kernel's AMX form where ``amx_runs()``: its
+``bf16=True`` (a bf16 model's prefill) takes the kernel's AMX form where ``amx_runs``: its
 chunk products from bf16-rounded operands with FP32 accumulation (``cpu_chunk.c``'s header), at
 ~1.6x the FP32 form's speed at Qwen3.5's GDN shape on one core and within bf16 rounding of it;
 tests/kernels/test_cpu_chunk_amx.py checks it against a float64 emulation of the same roundings.
@@ -57,10 +57,11 @@ def set_amx(on: bool) -> None:
     _amx_on = on
 
 
-def amx_runs() -> bool:
-    """Whether a bf16 model's prefill takes the AMX products: ``amx_available()`` unless
-    switched off by ``set_amx``."""
-    return _amx_on and amx_available()
+def amx_runs(k_dim: int, v_dim: int) -> bool:
+    """Whether a bf16 model's prefill with these head dims takes the AMX products:
+    ``amx_available()``, K and V multiples of 32 (the tiles' depth), and not switched off by
+    ``set_amx``."""
+    return _amx_on and k_dim % 32 == 0 and v_dim % 32 == 0 and amx_available()
 
 
 @cache
@@ -90,9 +91,8 @@ def chunk_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """Sequence i (rows [cu_seqlens[i], cu_seqlens[i + 1]) of q, k [N, Hk, K], v [N, H, V],
     g, beta [N, H]) runs from and into ``pool[slots[i]]`` ([S, H, K, V] FP32).  Returns
     o [N, H, V] FP32, or None where the kernel does not run.  ``simd=False`` takes the portable
-    loops (tests).  ``bf16``: the chunk's three products on AMX from bf16-rounded operands
-    (the C source's header) where ``amx_available()`` and K, V are multiples of 32; elsewhere
-    the FP32 form."""
+    loops (tests).  ``bf16``: the chunk's products on AMX from bf16-rounded operands (the C
+    source's header) where ``amx_runs(K, V)`` would say so; elsewhere the FP32 form."""
     num_heads, k_dim, v_dim = pool.shape[1:]
     operands = (q, k, v, g, beta)
     if (not chunk_runs(*operands, simd=simd) or pool.device.type != "cpu"

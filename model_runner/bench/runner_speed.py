@@ -158,7 +158,8 @@ def main() -> None:
            gemm_weight_bytes=runner.gemm_weight_bytes)
     clock = KernelClock() if args.kernel_times else None
     times, spent, times_off = [], [], []
-    modes = [False, True] if args.delta_rule_amx == "alternate" else [args.delta_rule_amx == "on"]
+    alternate = args.delta_rule_amx == "alternate"
+    modes = [False, True] if alternate else [args.delta_rule_amx == "on"]
     for _ in range(args.repeats):
         for amx in modes:
             cpu_chunk.set_amx(amx)
@@ -168,8 +169,8 @@ def main() -> None:
             start = time.perf_counter()
             runner.forward([SeqInput(prompt, 0, tables[0], 1)])
             sync(device)
-            (times if amx or len(modes) == 1 else times_off).append(time.perf_counter() - start)
-            if clock and (amx or len(modes) == 1):
+            (times_off if alternate and not amx else times).append(time.perf_counter() - start)
+            if clock and not (alternate and not amx):
                 spent.append(clock.take())
     cpu_chunk.set_amx(args.delta_rule_amx != "off")
     report(tp, kind="prefill", tp_size=tp.size, device=str(device), tokens=args.prompt_len,

@@ -95,7 +95,7 @@ def recurrence_in_pool(q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor
     from bf16-rounded operands as fla's kernels read them on a GPU."""
     split = _split(tuple(cu_seqlens), q.device)
     if split is None:  # no one-token sequence
-        amx = bf16 and amx_runs() and q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0
+        amx = bf16 and amx_runs(q.shape[-1], v.shape[-1])
         o = chunk_in_pool(q, k, v, g, beta, pool, slots.tolist(), cu_seqlens, scale,
                           AMX_CHUNK if amx else NATIVE_CHUNK, bf16=amx)
         if o is not None:
