@@ -133,6 +133,13 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                         "read them, where the CPU has AMX (the kernel ~0.6x the FP32 form's "
                         "time, a whole prefill ~0.9x at the bench shapes; within bf16 rounding "
                         "of it); off: FP32 throughout")
+    g.add_argument("--cpu-amx-attention", choices=["on", "off"],
+                   default="on" if RANKS.cpu_amx_attention else "off",
+                   help="a bf16 model's prefill attention (a prompt chunk's queries over its "
+                        "cached and new keys) in C on AMX tiles, reading the KV rows where they "
+                        "lie in the pool, where the CPU has AMX (~0.7x the time of torch's "
+                        "flash attention at the bench shapes; within bf16 rounding of it); "
+                        "off: torch's")
     g.add_argument("--cpu-lm-head-screen", choices=values(LmHeadScreen),
                    default=RANKS.cpu_lm_head_screen.value,
                    help="greedy rows that report no logprobs take an int8 copy of the LM head "
@@ -302,6 +309,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         cpu_fp32_weights=a.cpu_fp32_weights, cpu_packed_weights=a.cpu_packed_weights == "on",
         cpu_huge_pages=a.cpu_huge_pages == "on", cpu_lm_head_screen=a.cpu_lm_head_screen,
         cpu_amx_delta_rule=a.cpu_amx_delta_rule == "on",
+        cpu_amx_attention=a.cpu_amx_attention == "on",
         cuda_graph=not a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
         cuda_graph_max_context=a.cuda_graph_max_context,
         state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots)

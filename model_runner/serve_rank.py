@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_fused, lm_head
+from kernels import cpu_fused, lm_head, prefill_attention
 from kernels.delta_rule import cpu_chunk
 from kernels.delta_rule import cpu_decode as delta_decode
 from kernels.ragged_state import native as ragged_native
@@ -95,6 +95,7 @@ def checkpoint_slots(ranks: RankConfig, slot_bytes: int) -> int:
 def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
     ranks, sched, spec = config.ranks, config.scheduling, config.checkpoints
     cpu_chunk.set_amx(ranks.cpu_amx_delta_rule)  # before the warm-up's and the fingerprint's use
+    prefill_attention.set_amx(ranks.cpu_amx_attention)
     device = rank_device(ranks.device)
     tp = init_tp_group(device)
     cfg = ModelConfig.from_dir(config.model)
@@ -154,7 +155,8 @@ def warm_up(runner: ModelRunner, num_tokens: int) -> None:
     nothing holds yet; the slot is left zeroed."""
     for library in (cpu_chunk.native_library, delta_decode.native_library,
                     conv_native.native_library, cpu_fused.native_library,
-                    ragged_native.native_library, lm_head.native_library):
+                    ragged_native.native_library, lm_head.native_library,
+                    prefill_attention.native_library):
         library()  # built on first use: now, not in the first request
     if num_tokens < 1:
         return

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import prefill_attention
 from kernels.delta_rule import cpu_chunk
 from model_runner.model_files import weight_files
 from scheduler.wire.rank_messages import TierMove
@@ -77,7 +78,9 @@ def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
         "device": runner.device.type,
         "ranks": [str(config.ranks.dtype), str(config.ranks.cpu_fp32_weights),
                   config.ranks.cpu_packed_weights,
-                  cpu_chunk.amx_runs(*runner.state.temporal.shape[-2:])],
+                  cpu_chunk.amx_runs(*runner.state.temporal.shape[-2:]),
+                  bool(runner.kv.caches)
+                  and prefill_attention.amx_runs(runner.kv.caches[0].shape[-1])],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

@@ -41,9 +41,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_X86 1
+#include "../cpu_amx.h"
 #endif
 
 /* out[M, N] = (accumulate ? out * alpha : 0) + A[M, Kd] B[Kd, N]; rows of A, B and out at
@@ -222,45 +221,6 @@ static void rhs_avx512(const float *v, const float *p, float e, float b, int64_t
 
 /* AMX: 8 tile registers of 16 rows x 64 bytes; a bf16 product adds, per FP32 element of a
  * 16 x 16 tile, the pairs of a 16 x 32 bf16 tile's row and a 16 x 16-pair tile's column. */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* 1 where the CPU has AMX-BF16 and AVX512-BF16 and Linux grants this process the tile state
- * (asked once; the answer does not change). */
-static int amx_usable(void) {
-    static int usable = -1;
-    if (usable < 0)
-        usable = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16") &&
-                 __builtin_cpu_supports("avx512f") &&
-                 syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return usable;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-__attribute__((target("amx-tile")))
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    /* not _tile_loadconfig: gcc's form tells the compiler it reads 8 bytes, and it dropped the
-     * stores of the rest */
-    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
-}
-
-__attribute__((target("amx-tile")))
-static void amx_release(void) {
-    _tile_release();
-}
-
 /* out[M, N] = (accumulate ? out : 0) + A[M, Kd] B[Kd, N], M, N and Kd multiples of 32: A bf16
  * rows lda apart; B in pairs, Bp[k / 2][n] = B[k][n] | B[k + 1][n] << 16 (rows ldb apart); out
  * FP32 rows ldo apart.  A 32 x 32 block of out in four tiles. */

@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from kernels import native_build
+from kernels import native_build, prefill_attention
 from kernels.delta_rule import cpu_chunk
 from model_runner.batch import SeqInput
 from model_runner.config import DEFAULT_MODEL
@@ -42,6 +42,7 @@ KERNELS = {
     "conv_prefill_sums": ("kernels.short_conv.naive", "conv_window_sums"),
     "conv_decode": ("kernels.short_conv.naive", "conv_in_place"),
     "attention_decode": ("model_runner.layers.attention", "attention_decode"),
+    "attention_prefill": ("model_runner.layers.attention", "attention_prefill"),
     "moe_decode": ("model_runner.layers.mlp", "moe_decode"),
     "silu_mul": ("model_runner.layers.mlp", "silu_mul"),
     "gemv": ("model_runner.layers.linear", "gemv"),
@@ -110,6 +111,10 @@ def main() -> None:
                         "CPU has it (kernels/delta_rule/cpu_chunk.c), or in FP32; alternate: "
                         "the prefills alternate off and on, and the prefill line reports both "
                         "(seconds on, seconds_amx_off) (default: on)")
+    p.add_argument("--attention-amx", choices=["on", "off", "alternate"], default="on",
+                   help="a bf16 model's prefill attention in C on AMX where the CPU has it "
+                        "(kernels/prefill_attention), or torch's; alternate as "
+                        "--delta-rule-amx's (one of the two may alternate) (default: on)")
     p.add_argument("--mixed-chunks", type=int, nargs="*", default=[], metavar="C",
                    help="also time steps of one decode (batch 1) plus a C-token prefill chunk "
                         "of another sequence, as a serving step that mixes them")
@@ -127,6 +132,8 @@ def main() -> None:
     device = rank_device(args.device)
     tp = init_tp_group(device)
     page = 16
+    if args.delta_rule_amx == args.attention_amx == "alternate":
+        p.error("only one of --delta-rule-amx and --attention-amx may alternate")
     if any(not 0 < c <= args.prompt_len for c in args.mixed_chunks):
         p.error("--mixed-chunks must be in [1, --prompt-len]")
     if args.mixed_decodes < 1:
@@ -158,11 +165,12 @@ def main() -> None:
            gemm_weight_bytes=runner.gemm_weight_bytes)
     clock = KernelClock() if args.kernel_times else None
     times, spent, times_off = [], [], []
-    alternate = args.delta_rule_amx == "alternate"
-    modes = [False, True] if alternate else [args.delta_rule_amx == "on"]
+    # the AMX form that alternates (at most one): its prefills off, then on
+    alternate = "alternate" in (args.delta_rule_amx, args.attention_amx)
+    modes = [False, True] if alternate else [True]
     for _ in range(args.repeats):
         for amx in modes:
-            cpu_chunk.set_amx(amx)
+            set_amx_forms(args, amx)
             tp.barrier()
             if clock:
                 clock.take()
@@ -172,7 +180,7 @@ def main() -> None:
             (times_off if alternate and not amx else times).append(time.perf_counter() - start)
             if clock and not (alternate and not amx):
                 spent.append(clock.take())
-    cpu_chunk.set_amx(args.delta_rule_amx != "off")
+    set_amx_forms(args, True)
     report(tp, kind="prefill", tp_size=tp.size, device=str(device), tokens=args.prompt_len,
            seconds=statistics.median(times),
            tokens_per_s=args.prompt_len / statistics.median(times),
@@ -243,6 +251,14 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total",
                                             row_limit=args.profile), flush=True)
     shutdown_tp_group(tp)
+
+
+def set_amx_forms(args: argparse.Namespace, alternated: bool) -> None:
+    """The delta rule's and the prefill attention's AMX forms as their flags say; the one
+    that alternates ``alternated``."""
+    for flag, set_amx in ((args.delta_rule_amx, cpu_chunk.set_amx),
+                          (args.attention_amx, prefill_attention.set_amx)):
+        set_amx(alternated if flag == "alternate" else flag == "on")
 
 
 def greedy_step(runner: ModelRunner, seqs: list[SeqInput]) -> list[int]:

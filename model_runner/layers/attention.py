@@ -6,7 +6,9 @@ batch instead attends over its padded row table in one masked batch (fixed shape
 
 Prefill runs through ``F.scaled_dot_product_attention`` on every device (torch picks the fused
 kernel the shapes and mask allow, flash attention on CPU too; GQA through ``enable_gqa``): at
-real shapes the explicit softmax was 2.8x slower in fp32 and 100x slower in bf16 on CPU.  A CPU
+real shapes the explicit softmax was 2.8x slower in fp32 and 100x slower in bf16 on CPU.  A
+bf16 CPU prefill over ``split_kv`` caches takes ``kernels.prefill_attention`` where the CPU has
+AMX: the same flash arithmetic on AMX tiles, over the rows where they lie.  A CPU
 decode query (one token) keeps the explicit softmax: in C over the rows where they lie
 (``split_kv`` caches, ``kernels.decode_attention.attention_decode``), else in torch over gathered
 copies; CUDA takes SDPA there as well.
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_attention import attention_decode
+from kernels.prefill_attention import attention_prefill
 from model_runner.batch import ForwardBatch
 from model_runner.layers.linear import emulates_bf16
 
@@ -221,8 +224,13 @@ def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expa
             longer = sorted(set(longer) - set(singles.seqs))
     for i in longer:
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        k, v = expand(gather_rows(cache, batch.kv_read_index[i]))
-        parts.append((slice(a, b), causal_attention(q[a:b], k, v, batch.prefix_lens[i], scale)))
+        rows, prefix = batch.kv_read_index[i], batch.prefix_lens[i]
+        part = attention_prefill(q[a:b], cache, rows, prefix, scale) \
+            if expand is split_kv and not q.is_cuda else None
+        if part is None:
+            k, v = expand(gather_rows(cache, rows))
+            part = causal_attention(q[a:b], k, v, prefix, scale)
+        parts.append((slice(a, b), part))
     out = q.new_empty(*q.shape[:2], parts[0][1].shape[-1])
     for rows, part in parts:
         out[rows] = part

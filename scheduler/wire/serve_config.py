@@ -183,6 +183,7 @@ class RankConfig:
     cpu_packed_weights: bool = True
     cpu_huge_pages: bool = True  # the weights a CPU decode step streams in huge pages
     cpu_amx_delta_rule: bool = True  # a bf16 model's chunked delta rule's products on AMX
+    cpu_amx_attention: bool = True  # a bf16 model's prefill attention on AMX
     cpu_lm_head_screen: LmHeadScreen = LmHeadScreen.AUTO  # greedy rows' int8-screened LM head
     cuda_graph: bool = True  # on cuda: replay decode steps as CUDA graphs
     cuda_graph_max_bs: int = 32

@@ -218,3 +218,32 @@ def test_the_runner_bench_times_the_delta_rule_with_and_without_amx(tmp_path):
         capture_output=True, text=True, timeout=300, check=True).stdout
     prefill = next(r for r in map(json.loads, out.splitlines()) if r["kind"] == "prefill")
     assert prefill["seconds"] > 0 and prefill["seconds_amx_off"] > 0
+
+
+def test_the_runner_bench_alternates_the_prefill_attention(tmp_path):
+    """``runner_speed --attention-amx alternate`` reports both prefill medians; both AMX forms
+    may not alternate at once; ``hit_step`` times a step of hits with the attention's AMX form
+    off and on."""
+    import json
+    import subprocess
+    import sys
+
+    from support.random_checkpoints import make_model
+
+    make_model("gdn", tmp_path)
+    run = [sys.executable, "-m", "model_runner.bench.runner_speed", "--model", str(tmp_path),
+           "--prompt-len", "40", "--decode-batch", "1", "--decode-steps", "1", "--repeats", "2",
+           "--decode-context", "24", "--dtype", "bfloat16", "--attention-amx", "alternate"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300, check=True).stdout
+    prefill = next(r for r in map(json.loads, out.splitlines()) if r["kind"] == "prefill")
+    assert prefill["seconds"] > 0 and prefill["seconds_amx_off"] > 0
+    both = subprocess.run([*run, "--delta-rule-amx", "alternate"], capture_output=True,
+                          text=True, timeout=300)
+    assert both.returncode == 2 and "only one of" in both.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "model_runner.bench.hit_step", "--model", str(tmp_path),
+         "--seqs", "2", "--prefix", "30", "--new", "9", "--reps", "2"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    row = json.loads(out.splitlines()[-1])
+    assert (row["seqs"], row["prefix"], row["new"]) == (2, 30, 9)
+    assert row["step_ms"] > 0 and row["step_ms_amx_off"] > 0
