@@ -224,11 +224,11 @@ def per_sequence(batch: ForwardBatch, q: torch.Tensor, cache: torch.Tensor, expa
             longer = sorted(set(longer) - set(singles.seqs))
     for i in longer:
         a, b = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-        rows, prefix = batch.kv_read_index[i], batch.prefix_lens[i]
-        part = attention_prefill(q[a:b], cache, rows, prefix, scale) \
+        read, prefix = batch.kv_read_index[i], batch.prefix_lens[i]
+        part = attention_prefill(q[a:b], cache, read, prefix, scale) \
             if expand is split_kv and not q.is_cuda else None
         if part is None:
-            k, v = expand(gather_rows(cache, rows))
+            k, v = expand(gather_rows(cache, read))
             part = causal_attention(q[a:b], k, v, prefix, scale)
         parts.append((slice(a, b), part))
     out = q.new_empty(*q.shape[:2], parts[0][1].shape[-1])
