@@ -51,8 +51,8 @@ MAX_QUEUED_BYTES = 2**30  # copies waiting for the writer; a spill past this fai
 def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
     """What an entry's bytes depend on: config.json, the weight files (header, size, first
     and last MiB), the decay weights, the plan, the checkpoint format, dtypes, the TP degree,
-    the device type, the CPU weight forms and whether the delta rule's products run on AMX
-    (they change the bits a step computes)."""
+    the device type, the CPU weight forms and whether the delta rule's products and the prefill
+    attention run on AMX (they change the bits a step computes)."""
     model = Path(config.model)
     files = []
     for path in weight_files(model):
