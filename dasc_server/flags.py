@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def on_off(group, flag: str, on: bool, help: str) -> None:
+    """A switch whose value is "on" or "off", defaulting to ``on``'s."""
+    group.add_argument(flag, choices=["on", "off"], default="on" if on else "off", help=help)
+
+
 def add_rank_flags(p: argparse.ArgumentParser) -> None:
     """``ServeConfig.ranks`` and ``ServeConfig.checkpoints``."""
     g = p.add_argument_group("model and checkpoints (ranks)")
@@ -115,31 +120,25 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="hold a bf16 model's GEMM weights in fp32 (2x their memory; activations, "
                         "KV and states stay bf16): each GEMM is then one fp32 GEMM rounded to "
                         "bf16 and no step upcasts weights; auto: on a CPU that only emulates bf16")
-    g.add_argument("--cpu-packed-weights", choices=["on", "off"],
-                   default="on" if RANKS.cpu_packed_weights else "off",
-                   help="give large linear weights a oneDNN-packed copy: bf16 on a CPU with "
-                        "AVX512-BF16 or AMX, for every GEMM (1.1-4x faster than torch's there), "
-                        "else fp32, for GEMMs of 2-256 rows (1.2-2.5x faster on AVX2); extra "
-                        "memory: the weight again in that dtype")
-    g.add_argument("--cpu-huge-pages", choices=["on", "off"],
-                   default="on" if RANKS.cpu_huge_pages else "off",
-                   help="copy the weights a decode step streams into transparent huge pages at "
-                        "start-up: decode steps took ~0.92x the time on the 2-core VM measured, "
-                        "for ~1-10 s more start-up per GB where the kernel first compacts memory")
-    g.add_argument("--cpu-amx-delta-rule", choices=["on", "off"],
-                   default="on" if RANKS.cpu_amx_delta_rule else "off",
-                   help="a bf16 model's chunked delta rule (GDN prefill) with its products on "
-                        "AMX tiles from bf16 operands, FP32 accumulation, as fla's GPU kernels "
-                        "read them, where the CPU has AMX (the kernel ~0.6x the FP32 form's "
-                        "time, a whole prefill ~0.9x at the bench shapes; within bf16 rounding "
-                        "of it); off: FP32 throughout")
-    g.add_argument("--cpu-amx-attention", choices=["on", "off"],
-                   default="on" if RANKS.cpu_amx_attention else "off",
-                   help="a bf16 model's prefill attention (a prompt chunk's queries over its "
-                        "cached and new keys) in C on AMX tiles, reading the KV rows where they "
-                        "lie in the pool, where the CPU has AMX (~0.7x the time of torch's "
-                        "flash attention at the bench shapes; within bf16 rounding of it); "
-                        "off: torch's")
+    on_off(g, "--cpu-packed-weights", RANKS.cpu_packed_weights,
+           "give large linear weights a oneDNN-packed copy: bf16 on a CPU with AVX512-BF16 or "
+           "AMX, for every GEMM (1.1-4x faster than torch's there), else fp32, for GEMMs of "
+           "2-256 rows (1.2-2.5x faster on AVX2); extra memory: the weight again in that dtype")
+    on_off(g, "--cpu-huge-pages", RANKS.cpu_huge_pages,
+           "copy the weights a decode step streams into transparent huge pages at start-up: "
+           "decode steps took ~0.92x the time on the 2-core VM measured, for ~1-10 s more "
+           "start-up per GB where the kernel first compacts memory")
+    on_off(g, "--cpu-amx-delta-rule", RANKS.cpu_amx_delta_rule,
+           "a bf16 model's chunked delta rule (GDN prefill) with its products on AMX tiles from "
+           "bf16 operands, FP32 accumulation, as fla's GPU kernels read them, where the CPU has "
+           "AMX (the kernel ~0.6x the FP32 form's time, a whole prefill ~0.9x at the bench "
+           "shapes; within bf16 rounding of it); off: FP32 throughout")
+    on_off(g, "--cpu-amx-attention", RANKS.cpu_amx_attention,
+           "a bf16 model's prefill attention (a prompt chunk's queries over its cached and new "
+           "keys) in C on AMX tiles, reading the KV rows where they lie in the pool, where the "
+           "CPU has AMX (a step of cache hits after a long prefix ~0.8x the time, a fresh "
+           "prompt ~0.95-1x, at the bench shapes; within bf16 rounding of torch's); off: "
+           "torch's SDPA")
     g.add_argument("--cpu-lm-head-screen", choices=values(LmHeadScreen),
                    default=RANKS.cpu_lm_head_screen.value,
                    help="greedy rows that report no logprobs take an int8 copy of the LM head "

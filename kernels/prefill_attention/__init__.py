@@ -68,8 +68,8 @@ def attention_prefill(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
     if (q.dtype != torch.bfloat16 or cache.dtype != torch.bfloat16 or cache.dim() != 4
             or cache.shape[1] != 2 or cache.shape[3] != dim or heads % cache.shape[2]
             or not cache[0].is_contiguous() or rows.dtype != torch.long or rows.dim() != 1
-            or len(rows) != prefix_len + n or n < 1 or not amx_runs(dim)
-            or not runs_here(q, cache, rows) or native_library() is None):
+            or len(rows) != prefix_len + n or n < 1 or not amx_runs(dim)  # the library too
+            or not runs_here(q, cache, rows)):
         return None
     low, high = torch.aminmax(rows)
     if int(low) < 0 or int(high) >= cache.shape[0]:

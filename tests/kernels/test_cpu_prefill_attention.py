@@ -102,7 +102,7 @@ def test_the_attention_layers_take_it(monkeypatch):
     the kernel, over its rows in the pool; with the kernel off it takes torch's."""
     from model_runner.batch import SeqInput, build_batch
 
-    q, cache, _ = _case(1, 0, 8, 2, 256, seed=2)
+    _, cache, _ = _case(1, 0, 8, 2, 256, seed=2)
     seqs = [SeqInput(list(range(50)), 30, list(range(100, 200)), 1),
             SeqInput([5], 40, list(range(300, 400)), 2)]
     batch = build_batch(seqs, page_size=1, device=torch.device("cpu"))
