@@ -106,6 +106,26 @@ def on_off(group, flag: str, on: bool, help: str) -> None:
     group.add_argument(flag, choices=["on", "off"], default="on" if on else "off", help=help)
 
 
+def threads_flag(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a thread count of at least 1 or auto, "
+                                         f"got {text!r}")
+    return text
+
+
+def resolve_threads(args: argparse.Namespace) -> int:
+    """``--cpu-threads``' count for this node's ranks."""
+    if args.cpu_threads != "auto":
+        return int(args.cpu_threads)
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env)
+    if args.device != "cpu":
+        return 1
+    ranks_here = args.tp // args.nnodes
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // ranks_here)
+
+
 def add_rank_flags(p: argparse.ArgumentParser) -> None:
     """``ServeConfig.ranks`` and ``ServeConfig.checkpoints``."""
     g = p.add_argument_group("model and checkpoints (ranks)")
@@ -139,6 +159,12 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
            "CPU has AMX (a step of cache hits after a long prefix ~0.8x the time, a fresh "
            "prompt ~0.95-1x, at the bench shapes; within bf16 rounding of torch's); off: "
            "torch's SDPA")
+    g.add_argument("--cpu-threads", type=threads_flag, default="auto", metavar="N",
+                   help="threads each rank computes on, its own and its C kernels' (OpenMP); "
+                        "auto: OMP_NUM_THREADS where set, else on a CPU device the CPUs this "
+                        "process may use less one for the scheduler and front end, shared "
+                        "among this node's ranks (at least 1; vLLM-CPU's default split), on "
+                        "cuda 1")
     g.add_argument("--cpu-lm-head-screen", choices=values(LmHeadScreen),
                    default=RANKS.cpu_lm_head_screen.value,
                    help="greedy rows that report no logprobs take an int8 copy of the LM head "
@@ -308,7 +334,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         cpu_fp32_weights=a.cpu_fp32_weights, cpu_packed_weights=a.cpu_packed_weights == "on",
         cpu_huge_pages=a.cpu_huge_pages == "on", cpu_lm_head_screen=a.cpu_lm_head_screen,
         cpu_amx_delta_rule=a.cpu_amx_delta_rule == "on",
-        cpu_amx_attention=a.cpu_amx_attention == "on",
+        cpu_amx_attention=a.cpu_amx_attention == "on", cpu_threads=resolve_threads(a),
         cuda_graph=not a.disable_cuda_graph, cuda_graph_max_bs=a.cuda_graph_max_bs,
         cuda_graph_max_context=a.cuda_graph_max_context,
         state_budget_bytes=a.state_budget_bytes, checkpoint_slots=a.checkpoint_slots)

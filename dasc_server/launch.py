@@ -107,14 +107,15 @@ def start_children(args: argparse.Namespace, config: ServeConfig, errors: ChildE
     """The scheduler (node 0 only) and this node's ranks, each handed ``config`` whole.  The
     scheduler's two listening sockets are bound here and passed down, so their ports are taken
     before anyone is told them (only rank 0, on node 0, connects to the scheduler)."""
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the scheduler's
     env[ipc.AUTHKEY_ENV] = ipc.new_authkey()
     os.environ[ipc.AUTHKEY_ENV] = env[ipc.AUTHKEY_ENV]
+    rank_env = dict(env, OMP_NUM_THREADS=str(config.ranks.cpu_threads))
     py, as_json = sys.executable, config.to_json()
     if args.node_rank > 0:
         ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", "--scheduler-port",
                  "0", "--config", as_json]
-        return {"ranks": _spawn(ranks, env, errors)}
+        return {"ranks": _spawn(ranks, rank_env, errors)}
     rank_sock, front_sock = ipc.listening_socket(), ipc.listening_socket()
     args.frontend_port = front_sock.getsockname()[1]
     fds = (rank_sock.fileno(), front_sock.fileno())
@@ -124,7 +125,7 @@ def start_children(args: argparse.Namespace, config: ServeConfig, errors: ChildE
              str(rank_sock.getsockname()[1]), "--config", as_json]
     with rank_sock, front_sock:  # the scheduler holds its own copies once started
         scheduler = _spawn(sched, env, errors, pass_fds=fds)
-    return {"scheduler": scheduler, "ranks": _spawn(ranks, env, errors)}
+    return {"scheduler": scheduler, "ranks": _spawn(ranks, rank_env, errors)}
 
 
 TORCHRUN = "model_runner.quiet_torchrun"  # torchrun, quiet when the ranks stop or fail

@@ -31,6 +31,12 @@ static inline uint16_t round_bf16(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* A loop over at least this many values (weight elements, activations) splits among the
+ * OpenMP threads (the rank's --cpu-threads); a smaller one stays on the calling thread, where
+ * waking the others costs more than it saves.  Each output is computed by one thread in the
+ * same order whatever their number, so the bits do not depend on it. */
+#define PARALLEL_MIN (1 << 16)
+
 static inline float round_to(float f, int bf16) { return bf16 ? bf16_value(round_bf16(f)) : f; }
 
 static inline float load_elem(const void *p, int64_t i, int bf16) {

@@ -346,7 +346,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler-port", type=int, required=True, help="rank 0 connects here")
     p.add_argument("--config", required=True, help="the ServeConfig, as JSON")
     args = p.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank = os.environ.get("RANK", "0")
     try:
         config = ServeConfig.from_json(args.config)
@@ -354,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
     ranks = config.ranks
+    torch.set_num_threads(ranks.cpu_threads)  # dasc-serve set OMP_NUM_THREADS to it too
     if ranks.device == "cpu":
         keep_freed_memory()
     note = emulated_bf16_note(ranks.device, ranks.dtype, ranks.cpu_fp32_weights)

@@ -51,8 +51,9 @@ MAX_QUEUED_BYTES = 2**30  # copies waiting for the writer; a spill past this fai
 def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
     """What an entry's bytes depend on: config.json, the weight files (header, size, first
     and last MiB), the decay weights, the plan, the checkpoint format, dtypes, the TP degree,
-    the device type, the CPU weight forms and whether the delta rule's products and the prefill
-    attention run on AMX (they change the bits a step computes)."""
+    the device type, the CPU weight forms, whether the delta rule's products and the prefill
+    attention run on AMX, and the rank's threads (oneDNN's GEMMs split their sums by them):
+    each changes the bits a step computes."""
     model = Path(config.model)
     files = []
     for path in weight_files(model):
@@ -80,7 +81,8 @@ def fingerprint(config: ServeConfig, runner, tp_size: int) -> str:
                   config.ranks.cpu_packed_weights,
                   cpu_chunk.amx_runs(*runner.state.temporal.shape[-2:]),
                   bool(runner.kv.caches)
-                  and prefill_attention.amx_runs(runner.kv.caches[0].shape[-1])],
+                  and prefill_attention.amx_runs(runner.kv.caches[0].shape[-1]),
+                  config.ranks.cpu_threads],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

@@ -39,6 +39,7 @@ _SIGNATURES = {
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "cpu_fused", _SIGNATURES, "the fused CPU activation kernels",
+                        flags=("-fopenmp",),
                         returns={"dasc_fused_simd": ctypes.c_int})
 
 

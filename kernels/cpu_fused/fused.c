@@ -103,24 +103,24 @@ void dasc_gated_rmsnorm(const float *o, const void *z, int64_t z_stride, const f
     const int64_t elem = bf16 ? 2 : 4;
 #ifdef HAVE_X86
     const int fast = simd_ok(D, simd);
-    float x[D > 0 ? D : 1];
 #else
     (void)simd;
 #endif
-    for (int64_t t = 0; t < N; ++t)
-        for (int64_t h = 0; h < H; ++h) {
-            const int64_t row = t * H + h;
-            const float *orow = o + row * D;
-            const void *zr = (const char *)z + (t * z_stride + h * D) * elem;
-            void *outr = (char *)out + row * D * elem;
+#pragma omp parallel for schedule(static) if (N * H * D >= PARALLEL_MIN)
+    for (int64_t row = 0; row < N * H; ++row) {
+        const int64_t t = row / H, h = row % H;
+        const float *orow = o + row * D;
+        const void *zr = (const char *)z + (t * z_stride + h * D) * elem;
+        void *outr = (char *)out + row * D * elem;
 #ifdef HAVE_X86
-            if (fast) {
-                gated_row_avx512(orow, zr, w, D, eps, (int)bf16, outr, x);
-                continue;
-            }
-#endif
-            gated_row_portable(orow, zr, w, D, eps, (int)bf16, outr);
+        if (fast) {
+            float x[D];
+            gated_row_avx512(orow, zr, w, D, eps, (int)bf16, outr, x);
+            continue;
         }
+#endif
+        gated_row_portable(orow, zr, w, D, eps, (int)bf16, outr);
+    }
 }
 
 /* token t < N of x (bf16 or FP32, rows at x_stride): q (its first Hk * D values) and k (the
@@ -135,6 +135,7 @@ void dasc_l2norm_qkv(const void *x, int64_t x_stride, int64_t N, int64_t Hk, int
 #else
     (void)simd;
 #endif
+#pragma omp parallel for schedule(static) if (N * (2 * Hk * D + E) >= PARALLEL_MIN)
     for (int64_t t = 0; t < N; ++t) {
         const char *row = (const char *)x + t * x_stride * elem;
         for (int64_t h = 0; h < 2 * Hk; ++h) {
@@ -180,6 +181,7 @@ void dasc_silu_mul(const void *x, int64_t x_stride, int64_t R, int64_t D, int64_
 #else
     (void)simd;
 #endif
+#pragma omp parallel for schedule(static) if (R * D >= PARALLEL_MIN)
     for (int64_t r = 0; r < R; ++r) {
         const char *gate = (const char *)x + r * x_stride * elem, *up = gate + D * elem;
         char *o = (char *)out + r * D * elem;
@@ -241,6 +243,7 @@ void dasc_rmsnorm(const void *x, int64_t x_stride, int64_t N, int64_t D, const f
 #else
     (void)simd;
 #endif
+#pragma omp parallel for schedule(static) if (N * D >= PARALLEL_MIN)
     for (int64_t n = 0; n < N; ++n) {
         const char *row = (const char *)x + n * x_stride * elem;
         char *o = (char *)out + n * D * elem;

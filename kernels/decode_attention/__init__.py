@@ -28,7 +28,7 @@ _SIGNATURES = {
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "decode_attention", _SIGNATURES, "the C decode attention",
-                        returns={"dasc_attention_decode": ctypes.c_int,
+                        flags=("-fopenmp",), returns={"dasc_attention_decode": ctypes.c_int,
                                  "dasc_attention_simd": ctypes.c_int})
 
 

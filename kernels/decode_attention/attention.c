@@ -1,5 +1,7 @@
 #include "../cpu_simd.h"
 
+#include <omp.h>
+
 /* One query token per sequence attending over its KV rows in the pool, read where they lie.
  * Mirrors model_runner/layers/attention.py's `_decode_each` for one (sequence, KV head):
  *
@@ -262,25 +264,34 @@ int dasc_attention_decode(const void *q, const void *cache, int64_t row_stride, 
     int64_t longest = 1;
     for (int64_t b = 0; b < B; ++b)
         longest = lens[b] > longest ? lens[b] : longest;
-    float *s = malloc(sizeof(float) * (size_t)(H * longest + 2 * H * D));
-    if (!s)
-        return -1;
-    float *qf = s + H * longest;
+    const int64_t per = H * longest + 2 * H * D; /* one sequence's scratch floats */
 #ifdef HAVE_X86
     if (simd_ok(D, simd) && r <= 16) {
+        /* each sequence on one OpenMP thread, with its own scratch */
+        const int parallel = B > 1 && B * longest * Hkv * D >= PARALLEL_MIN;
+        const int64_t workers = parallel ? omp_get_max_threads() : 1;
+        float *all = malloc(sizeof(float) * (size_t)(per * workers));
+        if (!all)
+            return -1;
+#pragma omp parallel for schedule(dynamic) num_threads((int)workers) if (parallel)
         for (int64_t b = 0; b < B; ++b) {
+            float *s = all + omp_get_thread_num() * per, *qf = s + H * longest;
             for (int64_t a = 0; a < H * D; ++a)
                 qf[a] = load_elem(q, b * H * D + a, (int)bf16);
             attend_seq_fast(qf, r, Hkv, (const char *)cache, row_stride, v_offset,
                             index + starts[b], lens[b], D, scale, (int)bf16, s, qf + H * D,
                             (char *)out + b * H * D * elem);
         }
-        free(s);
+        free(all);
         return 0;
     }
 #else
     (void)simd;
 #endif
+    float *s = malloc(sizeof(float) * (size_t)per);
+    if (!s)
+        return -1;
+    float *qf = s + H * longest;
     for (int64_t b = 0; b < B; ++b)
         for (int64_t g = 0; g < Hkv; ++g) {
             const int64_t first = (b * H + g * r) * D;

@@ -89,6 +89,19 @@ void dasc_delta_decode(float *pool, int64_t slot_stride, const int64_t *slots, i
 #ifdef HAVE_X86
     const int fast = simd && V == 128 && __builtin_cpu_supports("avx512f")
                      && __builtin_cpu_supports("fma");
+    if (fast) { /* each (sequence, head) on one OpenMP thread (the slots are distinct) */
+#pragma omp parallel for schedule(static) if (num_seqs * H * K * V >= PARALLEL_MIN)
+        for (int64_t row = 0; row < num_seqs * H; ++row) {
+            const int64_t b = row / H, h = row % H;
+            float *S = pool + slots[b] * slot_stride + h * K * V;
+            const float *wk = wkq + row * 2 * K, *d = decay + row * (per_k ? K : 1);
+            const float *next = h + 1 < H ? S + K * V
+                                : b + 1 < num_seqs ? pool + slots[b + 1] * slot_stride : 0;
+            head_avx512_v128(S, K, wk, wk + K, beta[row], qk[row], v + row * V, k + row * K, d,
+                             per_k, o + row * V, next);
+        }
+        return;
+    }
 #else
     (void)simd;
 #endif
@@ -97,15 +110,6 @@ void dasc_delta_decode(float *pool, int64_t slot_stride, const int64_t *slots, i
             float *S = pool + slots[b] * slot_stride + h * K * V;
             const int64_t row = b * H + h;
             const float *wk = wkq + row * 2 * K, *d = decay + row * (per_k ? K : 1);
-#ifdef HAVE_X86
-            if (fast) {
-                const float *next = h + 1 < H ? S + K * V
-                                    : b + 1 < num_seqs ? pool + slots[b + 1] * slot_stride : 0;
-                head_avx512_v128(S, K, wk, wk + K, beta[row], qk[row], v + row * V,
-                                 k + row * K, d, per_k, o + row * V, next);
-                continue;
-            }
-#endif
             head_portable(S, K, V, wk, wk + K, beta[row], qk[row], v + row * V, k + row * K, d,
                           per_k, o + row * V, delta);
         }

@@ -24,7 +24,8 @@ _SIGNATURES = {
 
 @cache
 def native_library() -> ctypes.CDLL | None:
-    return load_library(SOURCE, "delta_decode", _SIGNATURES, "the CPU delta rule decode")
+    return load_library(SOURCE, "delta_decode", _SIGNATURES, "the CPU delta rule decode",
+                        flags=("-fopenmp",))
 
 
 def delta_rule_in_place(pool: torch.Tensor, slots: list[int], wkq: torch.Tensor,

@@ -29,7 +29,7 @@ GEMV_MAX_ROWS = 4  # its sums stay in registers: four weight rows by four rows o
 
 @cache
 def native_library() -> ctypes.CDLL | None:
-    return load_library(SOURCE, "gemv", _SIGNATURES, "the C decode GEMV",
+    return load_library(SOURCE, "gemv", _SIGNATURES, "the C decode GEMV", flags=("-fopenmp",),
                         returns={"dasc_gemv": ctypes.c_int, "dasc_gemv_simd": ctypes.c_int})
 
 

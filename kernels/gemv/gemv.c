@@ -81,12 +81,15 @@ rows_avx512(const float *xs, const int64_t m, int64_t k, const uint16_t *w, int6
             y[i * n + r0 + r] = round_bf16(hsum16(acc[r][i]));
 }
 
+/* The weight's rows split among the OpenMP threads in blocks of ROWS, each thread's a
+ * contiguous run (one stream a thread). */
 AVX512 static inline __attribute__((always_inline)) void
 gemv_m(const float *xs, const int64_t m, int64_t k, const uint16_t *w, int64_t n, uint16_t *y) {
-    int64_t r = 0;
-    for (; r + ROWS <= n; r += ROWS)
-        rows_avx512(xs, m, k, w, n, r, ROWS, y);
-    for (; r < n; ++r)
+    const int64_t blocks = n / ROWS;
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
+    for (int64_t b = 0; b < blocks; ++b)
+        rows_avx512(xs, m, k, w, n, b * ROWS, ROWS, y);
+    for (int64_t r = blocks * ROWS; r < n; ++r)
         rows_avx512(xs, m, k, w, n, r, 1, y);
 }
 

@@ -49,6 +49,7 @@ _SLACK = 1e-4  # relative, for the bound's own FP32 evaluation
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "lm_head_screen", _SIGNATURES, "the LM head's int8 screen",
+                        flags=("-fopenmp",),
                         returns={"dasc_screen": ctypes.c_int, "dasc_screen_simd": ctypes.c_int,
                                  "dasc_screen_quantize": ctypes.c_int,
                                  "dasc_screen_candidates": ctypes.c_int64})

@@ -45,12 +45,14 @@ rows_vnni(const uint8_t *x, const int64_t m, int64_t k, const int8_t *w, int64_t
             y[i * n + r0 + r] = _mm512_reduce_add_epi32(acc[r][i]);
 }
 
+/* The weight's rows split among the OpenMP threads in blocks of ROWS, as kernels/gemv. */
 VNNI static inline __attribute__((always_inline)) void
 screen_m(const uint8_t *x, const int64_t m, int64_t k, const int8_t *w, int64_t n, int32_t *y) {
-    int64_t r = 0;
-    for (; r + ROWS <= n; r += ROWS)
-        rows_vnni(x, m, k, w, n, r, ROWS, y);
-    for (; r < n; ++r)
+    const int64_t blocks = n / ROWS;
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
+    for (int64_t b = 0; b < blocks; ++b)
+        rows_vnni(x, m, k, w, n, b * ROWS, ROWS, y);
+    for (int64_t r = blocks * ROWS; r < n; ++r)
         rows_vnni(x, m, k, w, n, r, 1, y);
 }
 

@@ -29,6 +29,7 @@ _SIGNATURES = {
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "moe_decode", _SIGNATURES, "the C MoE decode",
+                        flags=("-fopenmp",),
                         returns={"dasc_moe_decode": ctypes.c_int, "dasc_moe_simd": ctypes.c_int})
 
 

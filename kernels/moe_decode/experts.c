@@ -1,5 +1,7 @@
 #include "../cpu_simd.h"
 
+#include <omp.h>
+
 /* The experts of a few tokens (decode), each used expert's weights streamed once, in order,
  * from their input-major storage: w13 [E, H, 2I] ([gate | up] columns), w2 [E, I, H].  Token
  * t's pair (e, weight), pairs in ascending e (layers/mlp.py's `_routed_experts`), then the
@@ -22,17 +24,20 @@ static void expert_rows_portable(const float *in, int64_t m, int64_t rows, int64
 }
 
 #ifdef HAVE_X86
-/* acc [m, cols] = in [m, rows] @ w [rows, cols]: w read once, four rows at a time (one load
- * and store of each sum per four rows; the fmas still run row by row, in order). */
-AVX512 static void expert_rows_avx512(const float *in, int64_t m, int64_t rows, int64_t cols,
-                                      const void *w, int bf16, float *acc) {
-    for (int64_t a = 0; a < m * cols; a += 16)
-        _mm512_storeu_ps(acc + a, _mm512_setzero_ps());
-    const int64_t elem = bf16 ? 2 : 4, step = cols * elem;
+/* Columns [c0, c1) of acc [m, cols] = in [m, rows] @ w [rows, cols]: w read once, four rows
+ * at a time (one load and store of each sum per four rows; the fmas still run row by row, in
+ * order). */
+AVX512 static void expert_cols_avx512(const float *in, int64_t m, int64_t rows, int64_t cols,
+                                      int64_t c0, int64_t c1, const char *w, int64_t elem,
+                                      int bf16, float *acc) {
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t c = c0; c < c1; c += 16)
+            _mm512_storeu_ps(acc + i * cols + c, _mm512_setzero_ps());
+    const int64_t step = cols * elem;
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
-        const char *row = (const char *)w + r * step;
-        for (int64_t c = 0; c < cols; c += 16) {
+        const char *row = w + r * step;
+        for (int64_t c = c0; c < c1; c += 16) {
             if (r + 8 <= rows) /* the next four rows' lines, while these four are summed */
                 for (int64_t k = 4; k < 8; ++k)
                     _mm_prefetch(row + k * step + c * elem, _MM_HINT_T0);
@@ -50,8 +55,8 @@ AVX512 static void expert_rows_avx512(const float *in, int64_t m, int64_t rows, 
         }
     }
     for (; r < rows; ++r) {
-        const char *row = (const char *)w + r * step;
-        for (int64_t c = 0; c < cols; c += 16) {
+        const char *row = w + r * step;
+        for (int64_t c = c0; c < c1; c += 16) {
             const __m512 wv = load16(row, c, bf16);
             for (int64_t i = 0; i < m; ++i) {
                 float *a = acc + i * cols + c;
@@ -63,12 +68,21 @@ AVX512 static void expert_rows_avx512(const float *in, int64_t m, int64_t rows, 
 }
 #endif
 
-/* acc = in @ w in the form ``fast`` says (both give the same bits). */
+/* acc = in @ w in the form ``fast`` says (both give the same bits).  The AVX-512 form splits
+ * the columns among the OpenMP threads in runs of 16: each reads its part of every row, and
+ * each sum still adds the rows in order. */
 static void expert_rows(const float *in, int64_t m, int64_t rows, int64_t cols, const void *w,
                         int bf16, int fast, float *acc) {
 #ifdef HAVE_X86
     if (fast) {
-        expert_rows_avx512(in, m, rows, cols, w, bf16, acc);
+        const int64_t elem = bf16 ? 2 : 4, runs = cols / 16;
+#pragma omp parallel if (rows * cols >= PARALLEL_MIN)
+        {
+            const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+            const int64_t c0 = runs * part / parts * 16, c1 = runs * (part + 1) / parts * 16;
+            if (c1 > c0)
+                expert_cols_avx512(in, m, rows, cols, c0, c1, (const char *)w, elem, bf16, acc);
+        }
         return;
     }
 #endif

@@ -107,6 +107,18 @@ void dasc_conv_prefill(const void *x, int64_t x_stride, const void *states, int6
 #endif
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t a = cu[i], n = cu[i + 1] - a;
+#ifdef HAVE_X86
+        /* the rows past the state's taps, each on one OpenMP thread */
+        if (fast && n > width) {
+#pragma omp parallel for schedule(static) if ((n - width) * C * (width + 1) >= PARALLEL_MIN)
+            for (int64_t t = width; t < n; ++t)
+                window_row_avx512((const char *)x + (a + t - width) * x_stride * elem, x_stride,
+                                  C, width, columns,
+                                  out_bf16 ? (void *)(out_bf16 + (a + t) * C)
+                                           : (void *)(out + (a + t) * C),
+                                  bf16, out_bf16 != NULL);
+        }
+#endif
         for (int64_t t = 0; t < n; ++t) {
             float *o = out_bf16 ? scratch : out + (a + t) * C;
             if (t < width) { /* taps p = t + j < width read the state */
@@ -124,13 +136,8 @@ void dasc_conv_prefill(const void *x, int64_t x_stride, const void *states, int6
             } else {
                 const char *r = (const char *)x + (a + t - width) * x_stride * elem;
 #ifdef HAVE_X86
-                if (fast) {
-                    window_row_avx512(r, x_stride, C, width, columns,
-                                      out_bf16 ? (void *)(out_bf16 + (a + t) * C)
-                                               : (void *)(out + (a + t) * C),
-                                      bf16, out_bf16 != NULL);
-                    continue;
-                }
+                if (fast)
+                    continue; /* run above */
 #endif
                 window_row(r, x_stride, C, width, columns, o, bf16);
             }

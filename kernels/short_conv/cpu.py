@@ -25,7 +25,8 @@ _SIGNATURES = {
 
 @cache
 def native_library() -> ctypes.CDLL | None:
-    return load_library(SOURCE, "short_conv", _SIGNATURES, "the CPU short convolution")
+    return load_library(SOURCE, "short_conv", _SIGNATURES, "the CPU short convolution",
+                        flags=("-fopenmp",))
 
 
 def _conv_runs(x: torch.Tensor, columns: torch.Tensor, states: torch.Tensor) -> bool:

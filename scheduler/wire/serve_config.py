@@ -185,6 +185,7 @@ class RankConfig:
     cpu_amx_delta_rule: bool = True  # a bf16 model's chunked delta rule's products on AMX
     cpu_amx_attention: bool = True  # a bf16 model's prefill attention on AMX
     cpu_lm_head_screen: LmHeadScreen = LmHeadScreen.AUTO  # greedy rows' int8-screened LM head
+    cpu_threads: int = 1  # each rank's compute threads (the flag's "auto" resolves per node)
     cuda_graph: bool = True  # on cuda: replay decode steps as CUDA graphs
     cuda_graph_max_bs: int = 32
     cuda_graph_max_context: int = 4096
@@ -193,8 +194,8 @@ class RankConfig:
 
     def __post_init__(self):
         _coerce(self)
-        _at_least(self, 1, "cuda_graph_max_bs", "cuda_graph_max_context", "state_budget_bytes",
-                  "checkpoint_slots")
+        _at_least(self, 1, "cpu_threads", "cuda_graph_max_bs", "cuda_graph_max_context",
+                  "state_budget_bytes", "checkpoint_slots")
 
 
 DEFAULT_CHECKPOINT_SLOTS = 64  # neither --checkpoint-slots nor --state-budget-bytes

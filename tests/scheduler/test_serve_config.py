@@ -18,7 +18,14 @@ import pytest
 from support.serving import KIMI, ipc_pair
 
 from dasc_server.engine_client import EngineClient
-from dasc_server.flags import build_parser, byte_size, parse_args, serve_config, validate
+from dasc_server.flags import (
+    build_parser,
+    byte_size,
+    parse_args,
+    serve_config,
+    threads_flag,
+    validate,
+)
 from scheduler.__main__ import SchedulerProcess
 from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
@@ -55,6 +62,8 @@ def other_value(action: argparse.Action) -> list[str]:
         # for the built-in model)
         return [flag, [str(c) for c in action.choices if c != action.default][-1]]
     kind = action.type or str
+    if kind is threads_flag:  # "auto" resolves to a count that depends on the machine
+        return [flag, str(serve_config(parse_args([])).ranks.cpu_threads + 1)]
     value = {int: "7", float: "3.5", str: "elsewhere", byte_size: "7M"}[kind]
     assert str(action.default) != value
     return [flag, value]
@@ -74,6 +83,39 @@ def test_every_flag_reaches_the_config_or_is_the_launchers(action):
     else:
         assert changed != default, f"{action.option_strings[0]} does not reach the config"
         assert ServeConfig.from_json(changed.to_json()) == changed
+
+
+@pytest.mark.parametrize("cpus,flags,threads", [
+    (8, [], 7), (8, ["--tp", "2"], 3), (8, ["--tp", "4", "--nnodes", "2"], 3), (2, [], 1),
+    (1, [], 1), (2, ["--tp", "4"], 1), (8, ["--cpu-threads", "2"], 2),
+])
+def test_cpu_threads_default_to_the_cpus_less_one_shared_among_the_nodes_ranks(
+        monkeypatch, cpus, flags, threads):
+    """As vLLM-CPU splits a machine: one CPU left to the scheduler and front end, the rest
+    shared among this node's ranks, at least one each; an explicit count wins."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)))
+    assert serve_config(parse_args(flags)).ranks.cpu_threads == threads
+
+
+def test_cpu_threads_take_omp_num_threads_where_set_and_one_on_cuda(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert serve_config(parse_args([])).ranks.cpu_threads == 3
+    assert serve_config(parse_args(["--cpu-threads", "5"])).ranks.cpu_threads == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert serve_config(parse_args([])).ranks.cpu_threads == 7
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    args = parse_args([])
+    args.device = "cuda"  # (parse_args would check for the GPUs)
+    assert serve_config(args).ranks.cpu_threads == 1
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", ""])
+def test_a_bad_thread_count_is_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-threads", bad])
+    assert "expected a thread count of at least 1 or auto" in capsys.readouterr().err
 
 
 def test_the_model_path_is_absolute_whatever_the_working_directory(monkeypatch):
