@@ -86,13 +86,13 @@ def test_every_flag_reaches_the_config_or_is_the_launchers(action):
 
 
 @pytest.mark.parametrize("cpus,flags,threads", [
-    (8, [], 7), (8, ["--tp", "2"], 3), (8, ["--tp", "4", "--nnodes", "2"], 3), (2, [], 1),
-    (1, [], 1), (2, ["--tp", "4"], 1), (8, ["--cpu-threads", "2"], 2),
+    (8, [], 8), (8, ["--tp", "2"], 4), (8, ["--tp", "4", "--nnodes", "2"], 4), (2, [], 2),
+    (3, ["--tp", "2"], 1), (2, ["--tp", "4"], 1), (8, ["--cpu-threads", "2"], 2),
 ])
-def test_cpu_threads_default_to_the_cpus_less_one_shared_among_the_nodes_ranks(
+def test_cpu_threads_default_to_the_cpus_shared_among_the_nodes_ranks(
         monkeypatch, cpus, flags, threads):
-    """As vLLM-CPU splits a machine: one CPU left to the scheduler and front end, the rest
-    shared among this node's ranks, at least one each; an explicit count wins."""
+    """The CPUs this process may use, shared among this node's ranks, at least one each; an
+    explicit count wins."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)))
     assert serve_config(parse_args(flags)).ranks.cpu_threads == threads
@@ -104,7 +104,7 @@ def test_cpu_threads_take_omp_num_threads_where_set_and_one_on_cuda(monkeypatch)
     assert serve_config(parse_args([])).ranks.cpu_threads == 3
     assert serve_config(parse_args(["--cpu-threads", "5"])).ranks.cpu_threads == 5
     monkeypatch.setenv("OMP_NUM_THREADS", "junk")
-    assert serve_config(parse_args([])).ranks.cpu_threads == 7
+    assert serve_config(parse_args([])).ranks.cpu_threads == 8
     monkeypatch.delenv("OMP_NUM_THREADS")
     args = parse_args([])
     args.device = "cuda"  # (parse_args would check for the GPUs)
