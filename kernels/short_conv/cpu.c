@@ -134,12 +134,12 @@ void dasc_conv_prefill(const void *x, int64_t x_stride, const void *states, int6
                     o[c] = acc;
                 }
             } else {
-                const char *r = (const char *)x + (a + t - width) * x_stride * elem;
 #ifdef HAVE_X86
                 if (fast)
                     continue; /* run above */
 #endif
-                window_row(r, x_stride, C, width, columns, o, bf16);
+                window_row((const char *)x + (a + t - width) * x_stride * elem, x_stride, C,
+                           width, columns, o, bf16);
             }
             if (out_bf16)
                 for (int64_t c = 0; c < C; ++c)
