@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_fused, decode_attention, gemv, lm_head, moe_decode
+from kernels import cpu_fused, decode_attention, gemv, lm_head, moe_decode, prefill_attention
 from kernels.delta_rule import cpu_decode as delta_decode
 from kernels.short_conv import cpu as short_conv
 
@@ -127,3 +127,17 @@ def test_the_delta_rule_decode(threads):
         return None if o is None else (o, state)
 
     assert same(threads(step))
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, prefix, n", [
+    (8, 2, 256, 40, 300),  # Qwen3.5's heads: three groups of eight query tiles a KV head
+    (16, 2, 128, 0, 77),  # Qwen3-Next's eight query heads a KV head: groups of four tiles
+    (3, 1, 64, 5, 50),  # an odd number of query heads a KV head: one at a time
+])
+@torch.inference_mode()
+def test_the_prefill_attention(threads, heads, kv_heads, dim, prefix, n):
+    cache = torch.randn(prefix + n + 9, 2, kv_heads, dim, generator=gen(30)).bfloat16()
+    rows = torch.randperm(len(cache), generator=gen(31))[: prefix + n]
+    q = torch.randn(n, heads, dim, generator=gen(32)).bfloat16()
+    assert same(threads(lambda: prefill_attention.attention_prefill(q, cache, rows, prefix,
+                                                                    dim ** -0.5)))
