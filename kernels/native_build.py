@@ -79,7 +79,7 @@ def runs_here(*tensors) -> bool:
     import torch
 
     return (_enabled and not torch.is_grad_enabled()
-            and all(t.device.type == "cpu" for t in tensors))
+            and all(t.is_cpu for t in tensors))
 
 
 def _build(source: Path, name: str, compiler: list[str], cache_dir: Path,

@@ -113,8 +113,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool
     rows = x.reshape(-1, dim)  # a view for the row-uniform strides of the norms' inputs
     if rows.stride(1) != 1:
         return None
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty(rows.shape[0], dim, dtype=x.dtype)
     native_library().dasc_rmsnorm(rows.data_ptr(), rows.stride(0), rows.shape[0], dim,
                                   weight.data_ptr(), eps, int(x.dtype == torch.bfloat16),
                                   int(round_first), out.data_ptr(), int(simd))
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(*x.shape)
