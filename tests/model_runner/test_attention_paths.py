@@ -119,3 +119,28 @@ def test_cpu_prefill_with_narrower_values_runs_flash_attention(prefix, dtype):
     assert got.shape == (n, heads, v_dim) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@torch.inference_mode()
+def test_the_rotary_angles_kept_for_a_step_follow_its_positions():
+    """A CPU step's cos and sin are kept for the next layer: new positions of the same shape,
+    the same tensor changed in place, another dtype or other settings each get their own."""
+    from model_runner.layers.attention import PartialRotary
+
+    def fresh(rotary, x, positions):  # the rotation computed from scratch
+        freqs = positions.float()[:, None] * rotary.inv_freq[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        half, rd = rotary.rotary_dim // 2, rotary.rotary_dim
+        rot = x[..., :rd]
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, x[..., rd:]], dim=-1)
+
+    a, b = PartialRotary(64, 0.25, 1e7), PartialRotary(64, 0.5, 1e4)
+    x = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    positions = torch.tensor([5, 6, 900])
+    for rotary, pos, inp in [(a, positions, x), (a, torch.tensor([7, 8, 901]), x),
+                             (b, positions, x), (a, positions, x.float())]:
+        assert torch.equal(rotary(inp, pos), fresh(rotary, inp, pos))
+    positions[2] = 1500  # in place: the kept copy no longer matches
+    assert torch.equal(a(x, positions), fresh(a, x, positions))
