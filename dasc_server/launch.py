@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from dasc_server.flags import FrontEndOptions, parse_args, serve_config, validate
+from model_runner import cpu_affinity
 from model_runner.processes import exit_now
 from scheduler.wire import ipc
 from scheduler.wire.messages import ServerInfo, Shutdown
@@ -110,12 +111,17 @@ def start_children(args: argparse.Namespace, config: ServeConfig, errors: ChildE
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the scheduler's
     env[ipc.AUTHKEY_ENV] = ipc.new_authkey()
     os.environ[ipc.AUTHKEY_ENV] = env[ipc.AUTHKEY_ENV]
+    if config.ranks.cpu_bind:  # each child binds itself; this process once they are started
+        env.update(cpu_affinity.node_plan(args.tp // args.nnodes, config.ranks.cpu_threads))
+        os.environ.update(env)
     rank_env = dict(env, OMP_NUM_THREADS=str(config.ranks.cpu_threads))
     py, as_json = sys.executable, config.to_json()
     if args.node_rank > 0:
         ranks = [py, "-m", *torchrun_args(args), "model_runner.serve_rank", "--scheduler-port",
                  "0", "--config", as_json]
-        return {"ranks": _spawn(ranks, rank_env, errors)}
+        children = {"ranks": _spawn(ranks, rank_env, errors)}
+        _bind_front(config)
+        return children
     rank_sock, front_sock = ipc.listening_socket(), ipc.listening_socket()
     args.frontend_port = front_sock.getsockname()[1]
     fds = (rank_sock.fileno(), front_sock.fileno())
@@ -125,7 +131,21 @@ def start_children(args: argparse.Namespace, config: ServeConfig, errors: ChildE
              str(rank_sock.getsockname()[1]), "--config", as_json]
     with rank_sock, front_sock:  # the scheduler holds its own copies once started
         scheduler = _spawn(sched, env, errors, pass_fds=fds)
-    return {"scheduler": scheduler, "ranks": _spawn(ranks, rank_env, errors)}
+    children = {"scheduler": scheduler, "ranks": _spawn(ranks, rank_env, errors)}
+    _bind_front(config)
+    return children
+
+
+def _bind_front(config: ServeConfig) -> None:
+    """``--cpu-bind on``: this process (the front end) onto the CPUs the ranks left, and say
+    where each went."""
+    if not config.ranks.cpu_bind:
+        return
+    rest = cpu_affinity.bind_rest()
+    ranks = os.environ[cpu_affinity.RANK_CPUS_ENV].replace(";", " | ")
+    where = ",".join(map(str, rest)) if rest else "theirs (none left)"
+    print(f"dasc-serve: --cpu-bind on: this node's ranks on CPUs {ranks}; the scheduler and "
+          f"front end on {where}", file=sys.stderr, flush=True)
 
 
 TORCHRUN = "model_runner.quiet_torchrun"  # torchrun, quiet when the ranks stop or fail

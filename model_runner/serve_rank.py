@@ -24,6 +24,7 @@ from kernels.delta_rule import cpu_chunk
 from kernels.delta_rule import cpu_decode as delta_decode
 from kernels.ragged_state import native as ragged_native
 from kernels.short_conv import cpu as conv_native
+from model_runner import cpu_affinity
 from model_runner.batch import SeqInput
 from model_runner.checkpoints.pool import CheckpointFormat
 from model_runner.compression.accounting import dense_slot_bytes, report_plan, slots_at_budget
@@ -353,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
     ranks = config.ranks
+    cpu_affinity.bind_rank()  # --cpu-bind on: this rank's own CPUs, before its threads start
     torch.set_num_threads(ranks.cpu_threads)  # dasc-serve set OMP_NUM_THREADS to it too
     if ranks.device == "cpu":
         keep_freed_memory()

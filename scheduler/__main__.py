@@ -16,6 +16,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TextIO
 
+from model_runner import cpu_affinity
 from scheduler.cache_tier import ENTRY_OVERHEAD, CacheTier, tell
 from scheduler.limits import RankLimits
 from scheduler.scheduler import Scheduler
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: scheduler: {e}", file=sys.stderr)
         return 2
+    cpu_affinity.bind_rest()  # --cpu-bind on: off the ranks' CPUs
     rank_listener = ipc.InheritedListener(args.rank_fd)  # bound by the launcher
     front_listener = ipc.InheritedListener(args.frontend_fd)
     # the front end first: its handshake must not wait on a rank that may never connect (the

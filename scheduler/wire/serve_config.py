@@ -186,6 +186,7 @@ class RankConfig:
     cpu_amx_attention: bool = True  # a bf16 model's prefill attention on AMX
     cpu_lm_head_screen: LmHeadScreen = LmHeadScreen.AUTO  # greedy rows' int8-screened LM head
     cpu_threads: int = 1  # each rank's compute threads (the flag's "auto" resolves per node)
+    cpu_bind: bool = False  # each CPU rank on CPUs of its own (model_runner/cpu_affinity.py)
     cuda_graph: bool = True  # on cuda: replay decode steps as CUDA graphs
     cuda_graph_max_bs: int = 32
     cuda_graph_max_context: int = 4096

@@ -342,3 +342,24 @@ def test_one_second_tier_at_a_time():
     with pytest.raises(ValueError, match="one second tier at a time"):
         serve_config(args)
     assert parse_args(["--host-tier-bytes", "1.5G"]).host_tier_bytes == 3 * 2**29
+
+
+def test_cpu_bind_splits_the_cpus_among_the_ranks_and_refuses_what_does_not_go_round(
+        monkeypatch):
+    """--cpu-bind on: each local rank its --cpu-threads CPUs in order, the rest to the scheduler
+    and front end; too few CPUs, or CUDA ranks, are refused before anything starts."""
+    from model_runner.cpu_affinity import split_cpus
+
+    assert split_cpus([2, 3, 5, 7, 8], 2, 2) == ([[2, 3], [5, 7]], [8])
+    assert split_cpus([0, 1], 2, 1) == ([[0], [1]], [])
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    validate(parse_args(["--cpu-bind", "on", "--tp", "2"]))
+    with pytest.raises(ValueError, match="2 rank\\(s\\) x 2 thread\\(s\\) need 4 CPUs, this "
+                                         "process may use 3 \\(0,1,2\\)"):
+        validate(parse_args(["--cpu-bind", "on", "--tp", "2", "--cpu-threads", "2"]))
+    args = parse_args(["--cpu-bind", "on"])
+    args.device = "cuda"  # (parse_args would check for the GPUs)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)  # as if it had one
+    with pytest.raises(ValueError, match="--cpu-bind on binds CPU ranks"):
+        validate(args)
