@@ -112,8 +112,9 @@ def start_children(args: argparse.Namespace, config: ServeConfig, errors: ChildE
     env[ipc.AUTHKEY_ENV] = ipc.new_authkey()
     os.environ[ipc.AUTHKEY_ENV] = env[ipc.AUTHKEY_ENV]
     if config.ranks.cpu_bind:  # each child binds itself; this process once they are started
-        env.update(cpu_affinity.node_plan(args.tp // args.nnodes, config.ranks.cpu_threads))
-        os.environ.update(env)
+        plan = cpu_affinity.node_plan(args.tp // args.nnodes, config.ranks.cpu_threads)
+        env.update(plan)
+        os.environ.update(plan)
     rank_env = dict(env, OMP_NUM_THREADS=str(config.ranks.cpu_threads))
     py, as_json = sys.executable, config.to_json()
     if args.node_rank > 0:
@@ -144,8 +145,8 @@ def _bind_front(config: ServeConfig) -> None:
     rest = cpu_affinity.bind_rest()
     ranks = os.environ[cpu_affinity.RANK_CPUS_ENV].replace(";", " | ")
     where = ",".join(map(str, rest)) if rest else "theirs (none left)"
-    print(f"dasc-serve: --cpu-bind on: this node's ranks on CPUs {ranks}; the scheduler and "
-          f"front end on {where}", file=sys.stderr, flush=True)
+    print(f"dasc-serve: --cpu-bind on: this node's ranks on CPUs {ranks}; its other processes "
+          f"(the scheduler and front end on node 0) on {where}", file=sys.stderr, flush=True)
 
 
 TORCHRUN = "model_runner.quiet_torchrun"  # torchrun, quiet when the ranks stop or fail
