@@ -2,9 +2,9 @@
 the front end on the rest.
 
 Unbound, the kernel moves a rank's threads between CPUs and puts the scheduler and the front
-end beside them.  Bound, as vLLM-CPU binds its worker by default, the rank keeps its caches and
-the other processes keep off its CPUs.  Off by default: two servers started on one machine would
-both bind their ranks to its first CPUs.
+end beside them.  Bound, as vLLM-CPU binds its worker by default, the rank keeps its caches
+warm and the other processes keep off its CPUs.  Off by default: two servers started on one
+machine would both bind their ranks to its first CPUs.
 
 The launcher splits the CPUs it may use (``os.sched_getaffinity``, in order) into this node's
 ranks' sets, ``threads`` CPUs each by local rank, and the rest; it hands them down in the

@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
     ranks = config.ranks
-    cpu_affinity.bind_rank()  # --cpu-bind on: this rank's own CPUs, before its threads start
+    if ranks.cpu_bind:  # this rank's own CPUs, before its threads start
+        cpu_affinity.bind_rank()
     torch.set_num_threads(ranks.cpu_threads)  # dasc-serve set OMP_NUM_THREADS to it too
     if ranks.device == "cpu":
         keep_freed_memory()

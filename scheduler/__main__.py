@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: scheduler: {e}", file=sys.stderr)
         return 2
-    cpu_affinity.bind_rest()  # --cpu-bind on: off the ranks' CPUs
+    if config.ranks.cpu_bind:  # off the ranks' CPUs
+        cpu_affinity.bind_rest()
     rank_listener = ipc.InheritedListener(args.rank_fd)  # bound by the launcher
     front_listener = ipc.InheritedListener(args.frontend_fd)
     # the front end first: its handshake must not wait on a rank that may never connect (the
