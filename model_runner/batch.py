@@ -169,6 +169,7 @@ class ForwardBatch:
     # [B - num_replays] row of each (non-replay) sequence's last token
     last_token_index: torch.Tensor = field(init=False)
     _singles: SingleQueries | None | bool = field(init=False, default=False)  # False: not yet
+    _rotary: dict = field(init=False, default_factory=dict)  # ``rotary_angles``, by settings
 
     def __post_init__(self) -> None:
         self.last_token_index = torch.tensor(self.cu_seqlens[self.num_replays + 1 :],
@@ -183,6 +184,13 @@ class ForwardBatch:
                             self.prefix_lens[r:], [c - t for c in self.cu_seqlens[r:]],
                             self.state_slots[r:], self.kv_write_index, self.kv_read_index[r:],
                             is_decode=False, snapshots=self.snapshots)
+
+    def rotary_angles(self, key: tuple, make: Callable[[torch.Tensor], tuple]) -> tuple:
+        """``make(positions)`` for the rotary settings ``key`` (``PartialRotary``'s cos and
+        sin), built once a step: every layer's queries and keys share them."""
+        if key not in self._rotary:
+            self._rotary[key] = make(self.positions)
+        return self._rotary[key]
 
     @property
     def single_queries(self) -> SingleQueries | None:

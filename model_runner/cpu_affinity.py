@@ -47,15 +47,11 @@ def bind(cpus: list[int]) -> None:
             pass
 
 
-def bind_rank() -> list[int] | None:
-    """A rank's own CPUs (by ``LOCAL_RANK``) where the launcher handed a split down; returns
-    them, or None where there is none."""
+def bind_rank() -> None:
+    """This rank onto its own CPUs (by ``LOCAL_RANK``) where the launcher handed a split down."""
     spec = os.environ.get(RANK_CPUS_ENV)
-    if not spec:
-        return None
-    cpus = _parse(spec.split(";")[int(os.environ.get("LOCAL_RANK", "0"))])
-    bind(cpus)
-    return cpus
+    if spec:
+        bind(_parse(spec.split(";")[int(os.environ.get("LOCAL_RANK", "0"))]))
 
 
 def bind_rest() -> list[int] | None:

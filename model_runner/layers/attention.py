@@ -24,9 +24,6 @@ from kernels.prefill_attention import attention_prefill
 from model_runner.batch import ForwardBatch
 from model_runner.layers.linear import emulates_bf16
 
-# The last CPU step's positions, cos and sin, by (rotary dim, theta, dtype): ``PartialRotary``.
-_ROTARY_LAST: dict[tuple, tuple] = {}
-
 
 class PartialRotary:
     """RoPE on the first ``rotary_dim`` features of each head (rotate-half convention)."""
@@ -37,9 +34,10 @@ class PartialRotary:
         self.inv_freq = 1.0 / (theta**exponents)
         self._settings = (self.rotary_dim, float(theta))
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, H, D]; positions: [N]."""
-        cos, sin = self._cos_sin(positions, x)
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: [N, H, D], the batch's tokens at ``batch.positions``."""
+        cos, sin = batch.rotary_angles((*self._settings, x.dtype),
+                                       lambda positions: self._cos_sin(positions, x))
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
@@ -47,24 +45,12 @@ class PartialRotary:
 
     def _cos_sin(self, positions: torch.Tensor, x: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [N, 1, rd] of the positions' angles in x's dtype.  On a CPU the last
-        pair is kept with a copy of its positions, so a step's queries and keys, in every
-        layer of these rotary settings, compute them once: at a decode step they were ~10 of
-        a layer's ~40 ops."""
+        """cos and sin [N, 1, rd] of the positions' angles in x's dtype."""
         if self.inv_freq.device != x.device:  # moved once: a host copy cannot be graph-captured
             self.inv_freq = self.inv_freq.to(x.device)
-        key = (*self._settings, x.dtype) if x.is_cpu else None
-        last = _ROTARY_LAST.get(key) if key is not None else None
-        if (last is not None and last[0].shape == positions.shape
-                and torch.equal(last[0], positions)):
-            return last[1], last[2]
         freqs = positions.float()[:, None] * self.inv_freq[None]  # [N, rd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
-        if key is not None:
-            _ROTARY_LAST.clear()  # one entry: the step's positions
-            _ROTARY_LAST[key] = (positions.clone(), cos, sin)
-        return cos, sin
+        return emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,

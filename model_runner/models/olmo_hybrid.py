@@ -119,7 +119,7 @@ class OlmoAttention(nn.Module):
         q = self.q_norm(self.q_proj(x)).view(n, self.num_heads, d)
         k = self.k_norm(self.k_proj(x)).view(n, self.num_kv, d)
         if self.rotary is not None:
-            q, k = self.rotary(q, ctx.batch.positions), self.rotary(k, ctx.batch.positions)
+            q, k = self.rotary(q, ctx.batch), self.rotary(k, ctx.batch)
         v = self.v_proj(x).view(n, self.num_kv, d)
         cache = ctx.kv.caches[self.full_index]  # [rows, 2, Hkv, D]
         store_kv(ctx.batch, cache, torch.stack([k, v], dim=1))

@@ -122,9 +122,8 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         q, gate = self.q_proj(x).view(n, self.num_heads, 2 * d).chunk(2, dim=-1)
-        positions = ctx.batch.positions
-        q = self.rotary(self.q_norm(q), positions)
-        k = self.rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv, d)), positions)
+        q = self.rotary(self.q_norm(q), ctx.batch)
+        k = self.rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv, d)), ctx.batch)
         v = self.v_proj(x).view(n, self.num_kv, d)
         cache = ctx.kv.caches[self.full_index]  # [rows, 2, Hkv, D]
         store_kv(ctx.batch, cache, torch.stack([k, v], dim=1))

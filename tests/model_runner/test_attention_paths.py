@@ -122,9 +122,11 @@ def test_cpu_prefill_with_narrower_values_runs_flash_attention(prefix, dtype):
 
 
 @torch.inference_mode()
-def test_the_rotary_angles_kept_for_a_step_follow_its_positions():
-    """A CPU step's cos and sin are kept for the next layer: new positions of the same shape,
-    the same tensor changed in place, another dtype or other settings each get their own."""
+def test_a_steps_rotary_angles_are_made_once_per_setting_and_follow_its_positions():
+    """The batch keeps each rotary setting's cos and sin for its step: the same for every layer
+    of that setting and dtype, its own for another setting or dtype, and a new step (new
+    positions) gets new ones."""
+    from model_runner.batch import SeqInput, build_batch
     from model_runner.layers.attention import PartialRotary
 
     def fresh(rotary, x, positions):  # the rotation computed from scratch
@@ -136,11 +138,14 @@ def test_the_rotary_angles_kept_for_a_step_follow_its_positions():
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         return torch.cat([rot * cos + rotated * sin, x[..., rd:]], dim=-1)
 
-    a, b = PartialRotary(64, 0.25, 1e7), PartialRotary(64, 0.5, 1e4)
+    def step(prefix):  # three tokens of one sequence after ``prefix`` cached
+        return build_batch([SeqInput([5, 6, 7], prefix, list(range(prefix + 3)), 1)],
+                           page_size=1, device=torch.device("cpu"))
+
+    a, b, a_again = (PartialRotary(64, 0.25, 1e7), PartialRotary(64, 0.5, 1e4),
+                     PartialRotary(64, 0.25, 1e7))  # a_again: another layer of a's settings
     x = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
-    positions = torch.tensor([5, 6, 900])
-    for rotary, pos, inp in [(a, positions, x), (a, torch.tensor([7, 8, 901]), x),
-                             (b, positions, x), (a, positions, x.float())]:
-        assert torch.equal(rotary(inp, pos), fresh(rotary, inp, pos))
-    positions[2] = 1500  # in place: the kept copy no longer matches
-    assert torch.equal(a(x, positions), fresh(a, x, positions))
+    for batch in (step(0), step(900)):
+        for rotary, inp in [(a, x), (b, x), (a, x.float()), (a_again, x)]:
+            assert torch.equal(rotary(inp, batch), fresh(rotary, inp, batch.positions))
+        assert len(batch._rotary) == 3  # a's twice (bf16, fp32) and b's; a_again shared a's
