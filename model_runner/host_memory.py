@@ -112,13 +112,22 @@ def storage_ptr(t: torch.Tensor) -> int | None:
     return t.untyped_storage().data_ptr()
 
 
-def decode_streamed(model: torch.nn.Module, embedding: torch.nn.Module) -> list[torch.Tensor]:
+def decode_streamed(model: torch.nn.Module, embedding: torch.nn.Module,
+                    coded: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
     """``module_tensors(model)`` but those only the input embedding holds: a storage that a
-    module outside it holds too (a tied LM head) is streamed."""
+    module outside it holds too (a tied LM head) is streamed.  A module with a coded copy of
+    its weights (``linear.code_gemms``) streams that copy instead: the weights it stands in
+    for (the module's ``CODED_WEIGHTS``) are left out, and the copies' tensors ``coded`` are
+    added."""
     inside = {id(m) for m in embedding.modules()}
+
+    def coded_away(m: torch.nn.Module, t: torch.Tensor) -> bool:
+        return getattr(m, "coded", None) is not None and any(
+            t is getattr(m, name, None) for name in getattr(m, "CODED_WEIGHTS", ()))
+
     streamed = {storage_ptr(t) for m in model.modules() if id(m) not in inside
-                for t in _own_tensors(m)}
-    return [t for t in module_tensors(model) if storage_ptr(t) in streamed]
+                for t in _own_tensors(m) if not coded_away(m, t)}
+    return [t for t in module_tensors(model) if storage_ptr(t) in streamed] + list(coded)
 
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ from model_runner.host_memory import (
     keep_freed_memory,
     move_to_huge_pages,
 )
-from model_runner.layers.linear import hold_fp32, pack_gemms, should_hold_fp32
+from model_runner.layers.linear import code_gemms, hold_fp32, pack_gemms, should_hold_fp32
 from model_runner.loader import build_model, load_weights
 from model_runner.model_files import check_tp
 from model_runner.models.common import StepContext
@@ -61,6 +61,7 @@ class RunnerConfig:
     fp32_weights: bool | None = None
     packed_weights: bool = True  # oneDNN-packed copies of large CPU weights (linear.pack_weight)
     huge_pages: bool = True  # CPU: the weights a decode step streams in huge pages (host_memory)
+    coded_weights: bool = True  # CPU: the decode GEMV streams coded copies (linear.code_gemms)
     # CPU, bf16, one rank: an int8 screen of the LM head for greedy rows (``greedy``); "auto":
     # where the head has at least ``SCREEN_MIN_ELEMENTS`` weights, "on": wherever it runs
     lm_head_screen: str = "auto"
@@ -99,9 +100,12 @@ class ModelRunner:
         if hold is None:
             hold = should_hold_fp32(dtype, self.device)
         self.gemm_weight_bytes += hold_fp32(self.model) if hold else 0
+        coded = code_gemms(self.model) if rc.coded_weights else []
+        self.gemm_weight_bytes += sum(c.nbytes for c in coded)
         huge_pages = rc.huge_pages and self.device.type == "cpu"
         if huge_pages:
-            move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens))
+            move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens,
+                                               [t for c in coded for t in c.tensors()]))
         # after the move: the screen's int8 copy is written straight into huge pages
         self.screened_head = self._screened_head(huge_pages)
         self.gemm_weight_bytes += self.screened_head.nbytes if self.screened_head else 0

@@ -108,6 +108,7 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
                       fp32_weights=fp32_weights(ranks.cpu_fp32_weights),
                       packed_weights=ranks.cpu_packed_weights,
                       huge_pages=ranks.cpu_huge_pages,
+                      coded_weights=ranks.cpu_coded_weights,
                       lm_head_screen=ranks.cpu_lm_head_screen.value)
     plan = build_plan(config.model, cfg, spec)
     placement = spec.placement.value  # the compression modules take plain strings

@@ -14,15 +14,22 @@ run (no C compiler, ``DASC_NATIVE_KERNELS=0``, a CPU without AVX-512, more than
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from kernels.native_build import I64, PTR, kernel_runs, load_library, simd_probe
+from kernels.native_build import I64, PTR, enabled, kernel_runs, load_library, simd_probe
 
 SOURCE = Path(__file__).with_name("gemv.c")
-_SIGNATURES = {"dasc_gemv": (PTR, I64, I64, PTR, I64, PTR, I64), "dasc_gemv_simd": ()}
+_SIGNATURES = {
+    "dasc_gemv": (PTR, I64, I64, PTR, I64, PTR, I64),
+    "dasc_gemv_simd": (),
+    "dasc_code_side": (PTR, I64, I64, PTR),
+    "dasc_code": (PTR, I64, I64, PTR, PTR, PTR, PTR),
+    "dasc_gemv_coded": (PTR, I64, I64, PTR, PTR, PTR, PTR, I64, PTR, I64),
+}
 
 GEMV_MAX_ROWS = 4  # its sums stay in registers: four weight rows by four rows of x
 
@@ -30,7 +37,9 @@ GEMV_MAX_ROWS = 4  # its sums stay in registers: four weight rows by four rows o
 @cache
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "gemv", _SIGNATURES, "the C decode GEMV", flags=("-fopenmp",),
-                        returns={"dasc_gemv": ctypes.c_int, "dasc_gemv_simd": ctypes.c_int})
+                        returns={"dasc_gemv": ctypes.c_int, "dasc_gemv_simd": ctypes.c_int,
+                                 "dasc_code_side": I64, "dasc_code": None,
+                                 "dasc_gemv_coded": ctypes.c_int})
 
 
 @cache
@@ -40,10 +49,64 @@ def simd_available() -> bool:
     return simd_probe(native_library(), "dasc_gemv_simd")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, simd: bool = True) -> torch.Tensor | None:
+CODE_BLOCK = 64  # elements a header byte covers (gemv.c)
+
+
+@dataclass(frozen=True, slots=True)
+class CodedWeight:
+    """A bf16 weight [N, K] in 12 bits an element (gemv.c, "The coded form"): each element's low
+    byte as it is, its high byte (sign, top exponent bits) as a 4-bit code into its 64-element
+    block's window, the blocks that do not fit with their high bytes in a side run.  The same
+    values, 3/4 of the bytes a decode step streams.  ``body`` [N, K / 64, 96] and ``head``
+    [N, K / 64] uint8, ``side`` uint8 (at least one byte), ``side_at`` [N] int64 (row r's side
+    run starts there)."""
+
+    body: torch.Tensor
+    head: torch.Tensor
+    side: torch.Tensor
+    side_at: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.head.shape[0], self.head.shape[1] * CODE_BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.body, self.head, self.side, self.side_at))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.body, self.head, self.side, self.side_at
+
+
+def code_weight(weight: torch.Tensor) -> CodedWeight | None:
+    """``weight``'s coded copy for the C GEMV, or None where it would not run: not a contiguous
+    2-D bf16 CPU weight, K not a multiple of 64, no AVX-512 form here (the portable form
+    decodes each row before its products: a reference, not faster)."""
+    if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous()
+            or not weight.is_cpu or weight.shape[1] % CODE_BLOCK or weight.shape[1] == 0
+            or not enabled() or native_library() is None or not simd_available()):
+        return None
+    return _code(weight.detach())
+
+
+def _code(weight: torch.Tensor) -> CodedWeight:
+    lib, (n, k) = native_library(), weight.shape
+    side_at = torch.empty(n, dtype=torch.int64)
+    side = torch.empty(max(1, lib.dasc_code_side(weight.data_ptr(), n, k, side_at.data_ptr())),
+                       dtype=torch.uint8)
+    body = torch.empty(n, k // CODE_BLOCK, 96, dtype=torch.uint8)
+    head = torch.empty(n, k // CODE_BLOCK, dtype=torch.uint8)
+    lib.dasc_code(weight.data_ptr(), n, k, body.data_ptr(), head.data_ptr(), side.data_ptr(),
+                  side_at.data_ptr())
+    return CodedWeight(body, head, side, side_at)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, simd: bool = True,
+         coded: CodedWeight | None = None) -> torch.Tensor | None:
     """``x W^T`` for x [..., K] of at most ``GEMV_MAX_ROWS`` rows and weight [N, K], both bf16
     (weight contiguous) -> [..., N] bf16, each output summed in FP32 and rounded once; None
-    where it does not run."""
+    where it does not run.  With ``coded`` (``code_weight(weight)``) it streams the coded copy
+    instead: the same bits."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (not 0 < rows <= GEMV_MAX_ROWS or k % 32
@@ -53,6 +116,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, simd: bool = True) -> torch.Tens
         return None
     flat = x.reshape(rows, k).contiguous()
     out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
-    failed = native_library().dasc_gemv(flat.data_ptr(), rows, k, weight.data_ptr(),
-                                        weight.shape[0], out.data_ptr(), int(simd))
+    if coded is not None:
+        failed = native_library().dasc_gemv_coded(
+            flat.data_ptr(), rows, k, *(t.data_ptr() for t in coded.tensors()),
+            weight.shape[0], out.data_ptr(), int(simd))
+    else:
+        failed = native_library().dasc_gemv(flat.data_ptr(), rows, k, weight.data_ptr(),
+                                            weight.shape[0], out.data_ptr(), int(simd))
     return None if failed else out.view(*x.shape[:-1], weight.shape[0])

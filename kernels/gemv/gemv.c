@@ -1,4 +1,4 @@
-#include "../cpu_simd.h"
+#include "../cpu_coded.h"
 
 /* y [m, n] = x [m, k] W^T for a bf16 weight W [n, k] (row-major, as a checkpoint stores it) and
  * a few bf16 rows x (decode), FP32 sums rounded once to bf16.  Weight rows are read four at a
@@ -34,20 +34,81 @@ static float lane_sum(const float *v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* Output r of each of x's m rows against weight row wr. */
+static void row_portable(const float *xs, int64_t m, int64_t k, const uint16_t *wr, int64_t n,
+                         int64_t r, uint16_t *y) {
+    for (int64_t i = 0; i < m; ++i) {
+        float acc[16] = {0};
+        for (int64_t b = 0; b < k; b += 32)
+            for (int64_t j = 0; j < 16; ++j) {
+                const float *xb = xs + i * k + b;
+                acc[j] = fmaf(bf16_value(wr[b + 2 * j]), xb[j], acc[j]);
+                acc[j] = fmaf(bf16_value(wr[b + 2 * j + 1]), xb[16 + j], acc[j]);
+            }
+        y[i * n + r] = round_bf16(lane_sum(acc));
+    }
+}
+
 static void gemv_portable(const float *xs, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                           uint16_t *y) {
     for (int64_t r = 0; r < n; ++r)
-        for (int64_t i = 0; i < m; ++i) {
-            float acc[16] = {0};
-            for (int64_t b = 0; b < k; b += 32)
-                for (int64_t j = 0; j < 16; ++j) {
-                    const uint16_t *wb = w + r * k + b;
-                    const float *xb = xs + i * k + b;
-                    acc[j] = fmaf(bf16_value(wb[2 * j]), xb[j], acc[j]);
-                    acc[j] = fmaf(bf16_value(wb[2 * j + 1]), xb[16 + j], acc[j]);
-                }
-            y[i * n + r] = round_bf16(lane_sum(acc));
+        row_portable(xs, m, k, w + r * k, n, r, y);
+}
+
+/* Whether block x's high bytes fit one window; *base: its window's first top-exponent. */
+static int block_base(const uint16_t *x, int *base) {
+    int top = 0;
+    for (int i = 0; i < CODE_BLOCK; ++i)
+        top = ((x[i] >> 8) & 0x7f) > top ? (x[i] >> 8) & 0x7f : top;
+    *base = top - (WINDOW - 1) < 1 ? 1 : top - (WINDOW - 1);
+    for (int i = 0; i < CODE_BLOCK; ++i) {
+        const int e = (x[i] >> 8) & 0x7f;
+        if (e && (e < *base || e >= *base + WINDOW))
+            return 0;
+    }
+    return 1;
+}
+
+/* side_at[r] = the byte offset of row r's side run; returns the side bytes of all n rows. */
+int64_t dasc_code_side(const void *w, int64_t n, int64_t k, int64_t *side_at) {
+    int64_t at = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        side_at[r] = at;
+        for (int64_t b = 0; b < k; b += CODE_BLOCK) {
+            int base;
+            at += block_base((const uint16_t *)w + r * k + b, &base) ? 0 : CODE_BLOCK;
         }
+    }
+    return at;
+}
+
+/* Code w [n, k] (k % 64 == 0) into body [n, k / 64, 96], head [n, k / 64] and side (the sizes
+ * dasc_code_side gave). */
+void dasc_code(const void *w, int64_t n, int64_t k, uint8_t *body, uint8_t *head, uint8_t *side,
+               const int64_t *side_at) {
+    const int64_t blocks = k / CODE_BLOCK;
+    for (int64_t r = 0; r < n; ++r) {
+        uint8_t *raw = side + side_at[r];
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint16_t *x = (const uint16_t *)w + r * k + b * CODE_BLOCK;
+            uint8_t *low = body + (r * blocks + b) * CODE_BYTES, *codes = low + CODE_BLOCK;
+            int base;
+            const int fits = block_base(x, &base);
+            head[r * blocks + b] = fits ? (uint8_t)base : RAW;
+            memset(codes, 0, CODE_BYTES - CODE_BLOCK);
+            for (int q = 0; q < CODE_BLOCK; ++q) {
+                const uint16_t v = x[PERM(q)];
+                low[q] = (uint8_t)v;
+                if (!fits) {
+                    *raw++ = (uint8_t)(v >> 8);
+                    continue;
+                }
+                const int e = (v >> 8) & 0x7f, sign = v >> 15;
+                const int c = e ? (e - base) << 1 | sign : 14 + sign;
+                codes[q % 32] |= (uint8_t)(c << (q < 32 ? 0 : 4));
+            }
+        }
+    }
 }
 
 #ifdef HAVE_X86
@@ -104,6 +165,71 @@ AVX512 static void gemv_avx512(const float *xs, int64_t m, int64_t k, const uint
 }
 #endif
 
+#ifdef HAVE_X86
+/* rows_avx512 over the coded form: rows [r0, r0 + rows) against m rows of x, the sums in the
+ * same order; rows and m are constants where it is inlined. */
+AVX512 static inline __attribute__((always_inline)) void
+coded_rows(const float *xs, const int64_t m, int64_t k, const uint8_t *body, const uint8_t *head,
+           const uint8_t *side, const int64_t *side_at, int64_t n, int64_t r0, const int64_t rows,
+           uint16_t *y) {
+    const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
+    const int64_t blocks = k / CODE_BLOCK, row_bytes = blocks * CODE_BYTES;
+    __m512 acc[ROWS][MAX_M];
+    const uint8_t *raw[ROWS];
+    for (int64_t r = 0; r < rows; ++r) {
+        raw[r] = side + side_at[r0 + r];
+        for (int64_t i = 0; i < m; ++i)
+            acc[r][i] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t r = 0; r < rows; ++r) {
+            const uint8_t *block = body + (r0 + r) * row_bytes + b * CODE_BYTES;
+            /* the lines the next block of rows reads here (a prefetch never faults) */
+            _mm_prefetch((const char *)(block + rows * row_bytes), _MM_HINT_T1);
+            _mm_prefetch((const char *)(block + rows * row_bytes + 64), _MM_HINT_T1);
+            const int base = head[(r0 + r) * blocks + b];
+            __m512i pairs[2];
+            decode_block(block, base, raw[r], &pairs[0], &pairs[1]);
+            raw[r] += base == RAW ? CODE_BLOCK : 0;
+            for (int64_t h = 0; h < 2; ++h) {
+                const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs[h], 16));
+                const __m512 high = _mm512_castsi512_ps(_mm512_and_si512(pairs[h], odd));
+                for (int64_t i = 0; i < m; ++i) {
+                    const float *xb = xs + i * k + b * CODE_BLOCK + h * 32;
+                    acc[r][i] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xb), acc[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(high, _mm512_loadu_ps(xb + 16), acc[r][i]);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < m; ++i)
+            y[i * n + r0 + r] = round_bf16(hsum16(acc[r][i]));
+}
+
+AVX512 static inline __attribute__((always_inline)) void
+coded_m(const float *xs, const int64_t m, int64_t k, const uint8_t *body, const uint8_t *head,
+        const uint8_t *side, const int64_t *side_at, int64_t n, uint16_t *y) {
+    const int64_t blocks = n / ROWS;
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
+    for (int64_t b = 0; b < blocks; ++b)
+        coded_rows(xs, m, k, body, head, side, side_at, n, b * ROWS, ROWS, y);
+    for (int64_t r = blocks * ROWS; r < n; ++r)
+        coded_rows(xs, m, k, body, head, side, side_at, n, r, 1, y);
+}
+
+AVX512 static void coded_avx512(const float *xs, int64_t m, int64_t k, const uint8_t *body,
+                                const uint8_t *head, const uint8_t *side, const int64_t *side_at,
+                                int64_t n, uint16_t *y) {
+    switch (m) {
+    case 1: coded_m(xs, 1, k, body, head, side, side_at, n, y); break;
+    case 2: coded_m(xs, 2, k, body, head, side, side_at, n, y); break;
+    case 3: coded_m(xs, 3, k, body, head, side, side_at, n, y); break;
+    default: coded_m(xs, 4, k, body, head, side, side_at, n, y); break;
+    }
+}
+#endif
+
 int dasc_gemv_simd(void) {
 #ifdef HAVE_X86
     return simd_ok(32, 1);
@@ -128,6 +254,34 @@ int dasc_gemv(const void *x, int64_t m, int64_t k, const void *w, int64_t n, voi
     else
 #endif
         gemv_portable(xs, m, k, w, n, y);
+    free(xs);
+    return 0;
+}
+
+/* dasc_gemv over the coded form of w [n, k] (k % 64 == 0): the same bits. */
+int dasc_gemv_coded(const void *x, int64_t m, int64_t k, const uint8_t *body, const uint8_t *head,
+                    const uint8_t *side, const int64_t *side_at, int64_t n, void *y,
+                    int64_t simd) {
+    if (m < 1 || m > MAX_M || k < CODE_BLOCK || k % CODE_BLOCK || n < 1)
+        return 1;
+    float *xs = malloc((size_t)(m * k) * sizeof *xs);
+    uint16_t *row = malloc((size_t)k * sizeof *row);
+    if (!xs || !row) {
+        free(xs);
+        free(row);
+        return 1;
+    }
+    split_even_odd(x, m, k, xs);
+#ifdef HAVE_X86
+    if (simd_ok(k, simd))
+        coded_avx512(xs, m, k, body, head, side, side_at, n, y);
+    else
+#endif
+        for (int64_t r = 0; r < n; ++r) {
+            decode_row(body, head, side, side_at, k, r, row);
+            row_portable(xs, m, k, row, n, r, y);
+        }
+    free(row);
     free(xs);
     return 0;
 }

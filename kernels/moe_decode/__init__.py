@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
+from kernels.gemv import CodedWeight, code_weight
 from kernels.native_build import I64, PTR, kernel_runs, load_library, simd_probe
 
 SOURCE = Path(__file__).with_name("experts.c")
 _SIGNATURES = {
     "dasc_moe_decode": (PTR, I64, I64, I64, PTR, PTR, I64, PTR, PTR, PTR, PTR, I64, PTR, I64,
-                        PTR, I64),
+                        PTR, I64, PTR),
     "dasc_moe_simd": (),
 }
 
@@ -48,14 +49,15 @@ MOE_DECODE_MAX_TOKENS = 8  # its per-token sums stay in the first two cache leve
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, shared: tuple | None = None, simd: bool = True
-               ) -> torch.Tensor | None:
+               w2: torch.Tensor, shared: tuple | None = None, simd: bool = True,
+               coded: tuple[CodedWeight | None, ...] | None = None) -> torch.Tensor | None:
     """x [T, H] routed to experts ``ids`` [T, k] (int64) with ``weights`` [T, k] through
     w13 [E, H, 2I] and w2 [E, I, H] (input-major, x's dtype), then the shared expert
     ``shared`` = (w13 [H, 2Is], w2 [Is, H], its weights [T] or None for 1) added last ->
     [T, H] in x's dtype, rounded where ``SparseMoE`` rounds; None where it does not run (more
-    than ``MOE_DECODE_MAX_TOKENS`` tokens, other dtypes or layouts).  Raises IndexError for
-    an expert id outside [0, E) (the C code trusts them)."""
+    than ``MOE_DECODE_MAX_TOKENS`` tokens, other dtypes or layouts).  ``coded``: the coded
+    copies (``code_experts``) it streams instead of the weights, where not None: the same
+    bits.  Raises IndexError for an expert id outside [0, E) (the C code trusts them)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[1]
     s13, s2, s_weights = shared if shared is not None else (None, None, None)
@@ -86,8 +88,27 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
         x.data_ptr(), num_tokens, hidden, inter, ids.data_ptr(), weights.data_ptr(),
         ids.shape[1], w13.data_ptr(), w2.data_ptr(), *(_ptr(t) for t in (s13, s2)),
         shared_inter, _ptr(s_weights), int(x.dtype == torch.bfloat16), out.data_ptr(),
-        int(simd))
+        int(simd), _codes(coded))
     return None if failed else out
+
+
+def code_experts(w13: torch.Tensor, w2: torch.Tensor, shared: tuple | None = None
+                 ) -> tuple[CodedWeight | None, ...] | None:
+    """``moe_decode``'s ``coded``: the coded copies of w13 as [E H, 2I], w2 as [E I, H] and the
+    shared expert's (w13 [H, 2Is], w2 [Is, H]), each None where it cannot be coded (not bf16,
+    rows not whole 64-element blocks); None where none can."""
+    flat = (w13.reshape(-1, w13.shape[-1]), w2.reshape(-1, w2.shape[-1]), *(shared or ()))
+    coded = tuple(code_weight(w) for w in flat)
+    return coded if any(c is not None for c in coded) else None
+
+
+def _codes(coded: tuple[CodedWeight | None, ...] | None):
+    """The C side's ``Coded codes[4]`` (NULL bodies where None), or NULL."""
+    if coded is None:
+        return None
+    ptrs = [p for c in (*coded, None, None)[:4]
+            for p in (c.tensors() if c is not None else (None,) * 4)]
+    return (ctypes.c_void_p * 16)(*(t if t is None else t.data_ptr() for t in ptrs))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -102,6 +102,9 @@ def main() -> None:
     p.add_argument("--cpu-packed-weights", choices=["on", "off"], default="on",
                    help="as dasc-serve's flag: oneDNN-packed copies of large linear weights "
                         "(bf16 on a CPU with native bf16, else fp32)")
+    p.add_argument("--cpu-coded-weights", choices=["on", "off"], default="on",
+                   help="as dasc-serve's flag: the decode GEMV streams coded copies of the "
+                        "bf16 linear weights")
     p.add_argument("--native-kernels", choices=["on", "off", "alternate"], default="on",
                    help="the CPU decode C kernels (kernels/delta_rule, kernels/short_conv); "
                         "alternate: decode steps alternate off and on in this process, and "
@@ -149,6 +152,7 @@ def main() -> None:
                       fp32_weights=fp32_weights(args.cpu_fp32_weights),
                       packed_weights=args.cpu_packed_weights == "on",
                       huge_pages=args.cpu_huge_pages == "on",
+                      coded_weights=args.cpu_coded_weights == "on",
                       lm_head_screen=args.cpu_lm_head_screen)
     runner = ModelRunner(rc, tp)
     decode_path = "eager"

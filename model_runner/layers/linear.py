@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import GEMV_MAX_ROWS, gemv
+from kernels.gemv import GEMV_MAX_ROWS, CodedWeight, code_weight, gemv
 from model_runner.cpu_features import cpu_has_native_bf16
 from model_runner.parallel import TPGroup
 
@@ -56,7 +56,10 @@ PACK_MIN_ELEMENTS = 1 << 19
 # takes 1.40 / 1.76 / 1.24 ms at M = 1 / 2 / 3 and 1.19 ms at M = 4 ([1024, 4096]: 0.53 / 0.61 /
 # 0.45 against 0.41 ms; a Qwen-shape expert's transposed [1024, 1024]: 0.14 / 0.17 against 0.12
 # ms).  So fewer rows are padded with zero rows to 4.  Either way a row's bits do not depend on
-# how many rows share its step, up to 4.
+# how many rows share its step, up to 4.  With ``--cpu-coded-weights`` the GEMV streams the
+# weight's coded copy (``kernels.gemv.CodedWeight``: the same values in 3/4 of the bytes) and
+# gives the same bits: over Qwen3-Next's projections, one core, 0.71x / 0.78x / 0.87x the time
+# at 1 / 2 / 4 rows (docs/benchmarks.md, "Coded weights for the decode GEMV").
 PAD_ROWS = 4
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                  "_linear_pointwise")
@@ -104,8 +107,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
+           coded: CodedWeight | None = None) -> torch.Tensor:
     """``x W^T`` in ``x``'s dtype.  With ``packed`` (``pack_weight(weight)``): a bf16 packed
     copy takes every row count; an fp32 one 2 to ``PACK_MAX_ROWS`` rows, and one row of a
     transposed weight (in bf16 it would otherwise be upcast whole).  A weight held in fp32 for
@@ -115,11 +118,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     emulated bf16 GEMM accumulates in fp32 too, so only the summation order differs, at 4-6x
     the speed.  Without a packed copy, small row counts (decode) keep the bf16 GEMM on a
     contiguous weight, which reads half the bytes.  Up to ``GEMV_MAX_ROWS`` rows of a bf16
-    weight take the C GEMV (``kernels.gemv``) where it runs; a bf16 packed GEMM of fewer than
-    ``PAD_ROWS`` rows runs padded to ``PAD_ROWS``."""
+    weight take the C GEMV (``kernels.gemv``) where it runs, from ``coded`` (``code_weight``'s
+    copy of ``weight``) where given; a bf16 packed GEMM of fewer than ``PAD_ROWS`` rows runs
+    padded to ``PAD_ROWS``."""
     rows = x.numel() // x.shape[-1]
     if rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
-        y = gemv(x, weight)  # decode's few rows: the weight streamed once, in C
+        y = gemv(x, weight, coded=coded)  # decode's few rows: the weight streamed once, in C
         if y is not None:
             return y
     if packed is not None and (packed.dtype == x.dtype == torch.bfloat16
@@ -168,10 +172,25 @@ def pack_gemms(model: nn.Module) -> int:
     return sum(m.pack_weights() for m in model.modules() if hasattr(m, "pack_weights"))
 
 
-class PackedGemm:
-    """A linear module whose ``packed`` is ``weight``'s packed copy once ``pack_gemms`` ran."""
+def code_gemms(model: nn.Module) -> list[CodedWeight]:
+    """Let every module with ``code_weights`` (the linears, the MoE layers) take the coded
+    copies of its bf16 weights that a decode step streams (``kernels.gemv.code_weight``),
+    where those kernels run; returns the copies."""
+    return [c for m in model.modules() if hasattr(m, "code_weights") for c in m.code_weights()]
 
+
+class PackedGemm:
+    """A linear module whose ``packed`` is ``weight``'s packed copy once ``pack_gemms`` ran, and
+    whose ``coded`` is its coded copy once ``code_gemms`` ran."""
+
+    CODED_WEIGHTS = ("weight",)  # what ``coded`` stands in for at decode
+    decode_gemv = True  # whether decode steps run its GEMV: only then is it coded
     packed: torch.Tensor | None = None
+    coded: CodedWeight | None = None
+
+    def code_weights(self) -> list[CodedWeight]:
+        self.coded = code_weight(self.weight) if self.decode_gemv else None
+        return [self.coded] if self.coded is not None else []
 
     def pack_weights(self) -> int:
         self.packed = pack_weight(self.weight)
@@ -241,7 +260,7 @@ class ColumnParallelLinear(PackedGemm, nn.Module):
         self.weight = attach_loader(new_param(out_features, in_features, dtype=dtype), parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed)
+        return linear(x, self.weight, self.packed, self.coded)
 
 
 class ReplicatedLinear(ColumnParallelLinear):
@@ -262,7 +281,7 @@ class RowParallelLinear(PackedGemm, nn.Module):
                                     {None: index}, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.packed)
+        y = linear(x, self.weight, self.packed, self.coded)
         return self.tp.all_reduce(y) if self.reduce else y
 
 
@@ -302,5 +321,5 @@ class ParallelLMHead(PackedGemm, VocabParallelEmbedding):
     GEMM_WEIGHTS = ("weight",)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, self.packed)
+        logits = linear(hidden, self.weight, self.packed, self.coded)
         return self.tp.all_gather_last(logits)[:, : self.vocab_size]

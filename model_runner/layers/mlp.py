@@ -13,7 +13,8 @@ from torch import nn
 
 from kernels.cpu_fused import silu_mul
 from kernels.derived import derived
-from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode
+from kernels.gemv import CodedWeight
+from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, code_experts, moe_decode
 from kernels.moe_decode import simd_available as moe_simd_available
 from model_runner.config import ModelConfig
 from model_runner.layers.linear import (
@@ -149,7 +150,9 @@ class SparseMoE(nn.Module):
     """
 
     GEMM_WEIGHTS = ("w13", "w2")
+    CODED_WEIGHTS = ("w13", "w2")  # what ``coded`` stands in for at decode
     packed_experts: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # pack_weights
+    coded: tuple[CodedWeight | None, ...] | None = None  # code_weights
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
@@ -249,7 +252,7 @@ class SparseMoE(nn.Module):
                 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and moe_simd_available()):  # its input-major copies only where it runs
             both = moe_decode(x, ids, weights, self.w13, self.w2,
-                              (*self.shared_expert.input_major(), gate))
+                              (*self.shared_expert.input_major(), gate), coded=self.coded)
             if both is not None:  # a decode step's few tokens
                 return self.tp.all_reduce(both)
         out = torch.zeros_like(x)
@@ -263,6 +266,15 @@ class SparseMoE(nn.Module):
                            grouped_mm_runs(x, self.w13, self.w2),
                            emulates_bf16(self.w13) or self.packs_bf16)
         getattr(self, f"_{form}_experts")(x, weights, ids, out)
+
+    def code_weights(self) -> list[CodedWeight]:
+        """``code_gemms``: the coded copies ``moe_decode`` streams, of the experts and of the
+        shared expert's input-major weights; returns them."""
+        self.coded = code_experts(self.w13, self.w2, self.shared_expert.input_major())
+        if self.coded is not None:  # moe_decode runs the shared expert: not its linears
+            for part in (self.shared_expert.gate_up_proj, self.shared_expert.down_proj):
+                part.decode_gemv = False
+        return [c for c in self.coded or () if c is not None]
 
     def pack_weights(self) -> int:
         """``pack_gemms``: packed copies of each expert's [out, in] views, for its GEMMs of two

@@ -182,6 +182,7 @@ class RankConfig:
     cpu_fp32_weights: Fp32Weights = Fp32Weights.AUTO
     cpu_packed_weights: bool = True
     cpu_huge_pages: bool = True  # the weights a CPU decode step streams in huge pages
+    cpu_coded_weights: bool = True  # the decode GEMV streams coded copies (kernels/gemv)
     cpu_amx_delta_rule: bool = True  # a bf16 model's chunked delta rule's products on AMX
     cpu_amx_attention: bool = True  # a bf16 model's prefill attention on AMX
     cpu_lm_head_screen: LmHeadScreen = LmHeadScreen.AUTO  # greedy rows' int8-screened LM head

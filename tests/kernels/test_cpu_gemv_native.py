@@ -4,7 +4,10 @@
 - the AVX-512 and portable forms give the same bits;
 - a row's bits do not depend on the rows beside it;
 - ``linear`` takes it for a decode step's few rows and oneDNN's packed GEMM for more; what it
-  cannot run it declines (None).
+  cannot run it declines (None);
+- over a weight's coded copy (``code_weight``: 12 bits an element) it gives the same bits,
+  whatever the weight holds (zeros, subnormals, infinities, NaNs, blocks too wide to code), and
+  ``linear`` streams the copy it is given.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from support.bf16_checks import assert_bf16_close
 
-from kernels.gemv import GEMV_MAX_ROWS, gemv, native_library, simd_available
+from kernels.gemv import (
+    CODE_BLOCK,
+    GEMV_MAX_ROWS,
+    code_weight,
+    gemv,
+    native_library,
+    simd_available,
+)
 from model_runner.layers import linear as linear_mod
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
@@ -94,3 +104,69 @@ def test_declines_what_it_does_not_run():
     assert gemv(x[:, :320], w) is None  # K differs
     with torch.enable_grad():
         assert gemv(x, w) is None
+
+
+def awkward_weight(out: int, k: int, seed: int) -> torch.Tensor:
+    """A Gaussian bf16 weight salted with what the coding must keep exactly: signed zeros,
+    subnormals, the least normal exponents, infinities, NaNs, and huge and tiny values side by
+    side (their blocks do not fit one window)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out, k, generator=g) * 0.03).bfloat16()
+    flat = w.view(-1)
+    salt = {97: 0.0, 101: -0.0, 103: 1e-39, 107: -3e-39, 109: 2.0**-126, 1409: -2.0**-125,
+            1499: float("inf"), 1511: float("-inf"), 1523: float("nan")}
+    for step, value in salt.items():
+        flat[step % 13 :: step] = value
+    flat[10::1531] = 3e4  # with the Gaussian values: too wide for one window
+    w[0, :CODE_BLOCK] = torch.logspace(-30, 30, CODE_BLOCK).bfloat16()
+    return w
+
+
+@needs_simd
+@pytest.mark.parametrize("out,k", [(2, 64), (5, 640), (203, 1024), (37, 3584)])
+@torch.inference_mode()
+def test_the_coded_copy_gives_the_same_bits(out, k):
+    """Every row count, both forms, against the plain kernel on the weight itself (compared as
+    bits: NaN outputs included)."""
+    w = awkward_weight(out, k, seed=out)
+    coded = code_weight(w)
+    assert coded.shape == (out, k)
+    assert (coded.head == 0xFF).any() and (coded.head != 0xFF).any()  # both kinds of blocks
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        want = gemv(x, w).view(torch.int16)
+        for simd in (True, False):
+            assert torch.equal(gemv(x, w, simd=simd, coded=coded).view(torch.int16), want)
+
+
+@needs_simd
+@torch.inference_mode()
+def test_a_gaussian_weight_codes_into_under_four_fifths_of_its_bytes():
+    w = (torch.randn(512, 1024, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16()
+    coded = code_weight(w)
+    assert (coded.head == 0xFF).float().mean() < 0.05  # blocks kept with their high bytes
+    assert coded.nbytes < 0.8 * w.nbytes
+
+
+@needs_simd
+@torch.inference_mode()
+def test_code_weight_declines_what_the_kernel_does_not_take():
+    _, w = operands(1, out=64, k=640)
+    assert code_weight(w[:, :608].contiguous()) is None  # K not a multiple of 64
+    assert code_weight(w.float()) is None
+    assert code_weight(w.t()) is None  # not row-major
+
+
+@needs_simd
+@torch.inference_mode()
+def test_linear_streams_the_coded_copy():
+    """A decode step's rows read the coded copy: changed after coding, the weight's new values
+    reach only the GEMMs of more rows."""
+    _, w = operands(1, out=96, k=640)
+    coded, before = code_weight(w), w.clone()
+    w.mul_(2)
+    for rows in (1, GEMV_MAX_ROWS):
+        x, _ = operands(rows, out=96, k=640, seed=rows)
+        assert torch.equal(linear_mod.linear(x, w, coded=coded), gemv(x, before))
+    x, _ = operands(GEMV_MAX_ROWS + 1, out=96, k=640)
+    assert torch.equal(linear_mod.linear(x, w, coded=coded), linear_mod.linear(x, w))

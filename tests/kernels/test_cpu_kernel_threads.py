@@ -53,6 +53,15 @@ def test_the_decode_gemv(threads):
 
 
 @torch.inference_mode()
+def test_the_decode_gemv_over_a_coded_weight(threads):
+    w = (torch.randn(4103, 256, generator=gen(3)) * 0.05).bfloat16()
+    coded = gemv.code_weight(w)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256, generator=gen(rows)).bfloat16()
+        assert same(threads(lambda x=x: gemv.gemv(x, w, coded=coded) if coded else None))
+
+
+@torch.inference_mode()
 def test_the_lm_head_screen(threads):
     wq = torch.randint(-127, 128, (4099, 128), generator=gen(1), dtype=torch.int8)
     xu = torch.randint(0, 256, (2, 128), generator=gen(2), dtype=torch.uint8)
@@ -70,6 +79,21 @@ def test_the_moe_decode(threads):
     ids = torch.tensor([[0, 3], [3, 1]])
     weights = torch.rand(2, 2, generator=gen(8)).bfloat16()
     assert same(threads(lambda: moe_decode.moe_decode(x, ids, weights, w13, w2, shared)))
+
+
+@torch.inference_mode()
+def test_the_moe_decode_over_coded_weights(threads):
+    hidden, inter, experts = 256, 352, 4  # 2I = 704 columns: 11 blocks of 64 over 3 threads
+    w13 = (torch.randn(experts, hidden, 2 * inter, generator=gen(3)) * 0.05).bfloat16()
+    w2 = (torch.randn(experts, inter, hidden, generator=gen(4)) * 0.05).bfloat16()
+    shared = ((torch.randn(hidden, 2 * inter, generator=gen(5)) * 0.05).bfloat16(),
+              (torch.randn(inter, hidden, generator=gen(6)) * 0.05).bfloat16())
+    coded = moe_decode.code_experts(w13, w2, shared)
+    x = torch.randn(2, hidden, generator=gen(7)).bfloat16()
+    ids = torch.tensor([[0, 3], [3, 1]])
+    weights = torch.rand(2, 2, generator=gen(8)).bfloat16()
+    assert same(threads(lambda: moe_decode.moe_decode(x, ids, weights, w13, w2, (*shared, None),
+                                                      coded=coded) if coded else None))
 
 
 @torch.inference_mode()

@@ -5,7 +5,9 @@ routed form (``SparseMoE._routed_experts``):
 - FP32: equal to rounding;
 - AVX-512 and portable forms give the same bits;
 - a bf16 CPU layer takes it for a few tokens and not for a prefill chunk; expert ids outside
-  the layer raise; what it cannot run it declines (None).
+  the layer raise; what it cannot run it declines (None);
+- over the coded copies of the experts' and the shared expert's weights (``code_experts``) it
+  gives the same bits, and a layer with them (``SparseMoE.code_weights``) streams them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import torch
 from support.bf16_checks import assert_bf16_close
 from support.moe_layers import moe, run
 
-from kernels.moe_decode import MOE_DECODE_MAX_TOKENS, moe_decode, native_library, simd_available
+from kernels.moe_decode import (
+    MOE_DECODE_MAX_TOKENS,
+    code_experts,
+    moe_decode,
+    native_library,
+    simd_available,
+)
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
 
@@ -112,3 +120,47 @@ def test_the_shared_expert_is_added_last(gated):
     if simd_available():
         assert torch.equal(got, moe_decode(x, ids, weights, layer.w13, layer.w2, shared,
                                            simd=False))
+
+
+def salted(layer) -> None:
+    """Expert weights the coding must keep exactly: zeros, subnormals, values too far apart
+    for one block's window, an infinity (its outputs NaN or infinite, compared as bits)."""
+    for w in (layer.w13, layer.w2):
+        flat = w.data.view(-1)
+        flat[::89], flat[1::97], flat[2::211] = 0.0, 1e-39, 3e4
+    layer.w13.data[5, 7, 3] = float("inf")
+
+
+@pytest.mark.skipif(not simd_available(), reason="no AVX-512 here")
+@pytest.mark.parametrize("tokens", [1, 3, MOE_DECODE_MAX_TOKENS])
+@torch.inference_mode()
+def test_the_coded_copies_give_the_same_bits(tokens):
+    layer = moe("gdn", 8, 2).to(torch.bfloat16)
+    salted(layer)
+    x, weights, ids = _inputs(layer, tokens, seed=tokens)
+    shared_major = layer.shared_expert.input_major()
+    shared = (*shared_major, torch.sigmoid(layer.shared_expert_gate(x)))
+    coded = code_experts(layer.w13, layer.w2, shared_major)
+    assert all(c is not None for c in coded)
+    assert any((c.head == 0xFF).any() for c in coded)  # blocks kept with their high bytes
+    want = moe_decode(x, ids, weights, layer.w13, layer.w2, shared).view(torch.int16)
+    for simd in (True, False):
+        got = moe_decode(x, ids, weights, layer.w13, layer.w2, shared, simd=simd, coded=coded)
+        assert torch.equal(got.view(torch.int16), want)
+
+
+@pytest.mark.skipif(not simd_available(), reason="no AVX-512 here")
+@torch.inference_mode()
+def test_a_layer_with_coded_copies_streams_them():
+    """``code_weights`` codes the experts and the shared expert's input-major weights (and so
+    not the shared expert's linears): changed after coding, the weights' new values reach
+    only a prefill chunk's torch forms."""
+    layer = moe("gdn", 8, 2).to(torch.bfloat16)
+    x, _, _ = _inputs(layer, 2)
+    before = layer(x)
+    assert len(layer.code_weights()) == 4
+    assert all(p.coded is None for p in (layer.shared_expert.gate_up_proj,
+                                         layer.shared_expert.down_proj))
+    for w in (layer.w13, layer.w2, *layer.shared_expert.input_major()):
+        w.mul_(2)
+    assert torch.equal(layer(x), before)

@@ -87,6 +87,18 @@ def test_decode_streamed_leaves_an_untied_embedding():
     assert id(model.embed.weight) in ids(decode_streamed(model, model.embed))
 
 
+def test_decode_streamed_takes_a_coded_copy_for_its_weight():
+    """A module whose decode steps stream a coded copy of its weight (``linear.code_gemms``)
+    leaves the weight where it is; the copy's tensors move instead."""
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.CODED_WEIGHTS, model.head.coded = ("weight",), object()  # any copy will do
+    copy = torch.zeros(3)
+    ids = lambda ts: {id(t) for t in ts}  # noqa: E731
+    assert ids(decode_streamed(model, model.embed, [copy])) == {id(copy)}
+
+
 def test_runner_weights_in_huge_pages_same_bits(monkeypatch, tmp_path):
     make_model("gdn", tmp_path)
     prompt = list(range(3, 40))
