@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("gemv.c")
 _SIGNATURES = {
     "dasc_gemv": (PTR, I64, I64, PTR, I64, PTR, I64),
     "dasc_gemv_simd": (),
-    "dasc_code_side": (PTR, I64, I64, PTR),
+    "dasc_code_heads": (PTR, I64, I64, PTR),
     "dasc_code": (PTR, I64, I64, PTR, PTR, PTR, PTR),
     "dasc_gemv_coded": (PTR, I64, I64, PTR, PTR, PTR, PTR, I64, PTR, I64),
 }
@@ -38,7 +38,7 @@ GEMV_MAX_ROWS = 4  # its sums stay in registers: four weight rows by four rows o
 def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "gemv", _SIGNATURES, "the C decode GEMV", flags=("-fopenmp",),
                         returns={"dasc_gemv": ctypes.c_int, "dasc_gemv_simd": ctypes.c_int,
-                                 "dasc_code_side": I64, "dasc_code": None,
+                                 "dasc_code_heads": None, "dasc_code": None,
                                  "dasc_gemv_coded": ctypes.c_int})
 
 
@@ -49,7 +49,8 @@ def simd_available() -> bool:
     return simd_probe(native_library(), "dasc_gemv_simd")
 
 
-CODE_BLOCK = 64  # elements a header byte covers (gemv.c)
+CODE_BLOCK = 64  # elements a header byte covers (cpu_coded.h)
+RAW = 0xFF  # the header of a block kept with its high bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +92,13 @@ def code_weight(weight: torch.Tensor) -> CodedWeight | None:
 
 def _code(weight: torch.Tensor) -> CodedWeight:
     lib, (n, k) = native_library(), weight.shape
-    side_at = torch.empty(n, dtype=torch.int64)
-    side = torch.empty(max(1, lib.dasc_code_side(weight.data_ptr(), n, k, side_at.data_ptr())),
-                       dtype=torch.uint8)
-    body = torch.empty(n, k // CODE_BLOCK, 96, dtype=torch.uint8)
     head = torch.empty(n, k // CODE_BLOCK, dtype=torch.uint8)
-    lib.dasc_code(weight.data_ptr(), n, k, body.data_ptr(), head.data_ptr(), side.data_ptr(),
+    lib.dasc_code_heads(weight.data_ptr(), n, k, head.data_ptr())
+    raw_bytes = (head == RAW).sum(dim=1) * CODE_BLOCK  # each row's side run
+    side_at = (raw_bytes.cumsum(0) - raw_bytes).contiguous()
+    side = torch.empty(max(1, int(raw_bytes.sum())), dtype=torch.uint8)
+    body = torch.empty(n, k // CODE_BLOCK, 96, dtype=torch.uint8)
+    lib.dasc_code(weight.data_ptr(), n, k, head.data_ptr(), body.data_ptr(), side.data_ptr(),
                   side_at.data_ptr())
     return CodedWeight(body, head, side, side_at)
 

@@ -55,58 +55,57 @@ static void gemv_portable(const float *xs, int64_t m, int64_t k, const uint16_t 
         row_portable(xs, m, k, w + r * k, n, r, y);
 }
 
-/* Whether block x's high bytes fit one window; *base: its window's first top-exponent. */
-static int block_base(const uint16_t *x, int *base) {
-    int top = 0;
+/* Block x's header: the first top-exponent of its window, or RAW where its high bytes do not
+ * fit one (the loops are written to vectorize). */
+static uint8_t block_head(const uint16_t *x) {
+    uint8_t e[CODE_BLOCK], top = 0, outside = 0;
     for (int i = 0; i < CODE_BLOCK; ++i)
-        top = ((x[i] >> 8) & 0x7f) > top ? (x[i] >> 8) & 0x7f : top;
-    *base = top - (WINDOW - 1) < 1 ? 1 : top - (WINDOW - 1);
-    for (int i = 0; i < CODE_BLOCK; ++i) {
-        const int e = (x[i] >> 8) & 0x7f;
-        if (e && (e < *base || e >= *base + WINDOW))
-            return 0;
-    }
-    return 1;
+        e[i] = (uint8_t)((x[i] >> 8) & 0x7f);
+    for (int i = 0; i < CODE_BLOCK; ++i)
+        top = e[i] > top ? e[i] : top;
+    const uint8_t base = top < WINDOW ? 1 : (uint8_t)(top - (WINDOW - 1));
+    for (int i = 0; i < CODE_BLOCK; ++i) /* e - base wraps below base */
+        outside |= (uint8_t)(e[i] != 0) & (uint8_t)((uint8_t)(e[i] - base) >= WINDOW);
+    return outside ? RAW : base;
 }
 
-/* side_at[r] = the byte offset of row r's side run; returns the side bytes of all n rows. */
-int64_t dasc_code_side(const void *w, int64_t n, int64_t k, int64_t *side_at) {
-    int64_t at = 0;
-    for (int64_t r = 0; r < n; ++r) {
-        side_at[r] = at;
-        for (int64_t b = 0; b < k; b += CODE_BLOCK) {
-            int base;
-            at += block_base((const uint16_t *)w + r * k + b, &base) ? 0 : CODE_BLOCK;
-        }
-    }
-    return at;
-}
-
-/* Code w [n, k] (k % 64 == 0) into body [n, k / 64, 96], head [n, k / 64] and side (the sizes
- * dasc_code_side gave). */
-void dasc_code(const void *w, int64_t n, int64_t k, uint8_t *body, uint8_t *head, uint8_t *side,
-               const int64_t *side_at) {
+/* head [n, k / 64] of w [n, k] (k % 64 == 0): each block's header. */
+void dasc_code_heads(const void *w, int64_t n, int64_t k, uint8_t *head) {
     const int64_t blocks = k / CODE_BLOCK;
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t b = 0; b < blocks; ++b)
+            head[r * blocks + b] = block_head((const uint16_t *)w + r * k + b * CODE_BLOCK);
+}
+
+/* Code w [n, k] into body [n, k / 64, 96] and side (row r's run from side_at[r]: 64 bytes a RAW
+ * block), given dasc_code_heads' head. */
+void dasc_code(const void *w, int64_t n, int64_t k, const uint8_t *head, uint8_t *body,
+               uint8_t *side, const int64_t *side_at) {
+    const int64_t blocks = k / CODE_BLOCK;
+#pragma omp parallel for schedule(static) if (n * k >= PARALLEL_MIN)
     for (int64_t r = 0; r < n; ++r) {
         uint8_t *raw = side + side_at[r];
         for (int64_t b = 0; b < blocks; ++b) {
             const uint16_t *x = (const uint16_t *)w + r * k + b * CODE_BLOCK;
             uint8_t *low = body + (r * blocks + b) * CODE_BYTES, *codes = low + CODE_BLOCK;
-            int base;
-            const int fits = block_base(x, &base);
-            head[r * blocks + b] = fits ? (uint8_t)base : RAW;
-            memset(codes, 0, CODE_BYTES - CODE_BLOCK);
+            const int base = head[r * blocks + b];
+            uint8_t code[CODE_BLOCK];
             for (int q = 0; q < CODE_BLOCK; ++q) {
                 const uint16_t v = x[PERM(q)];
-                low[q] = (uint8_t)v;
-                if (!fits) {
-                    *raw++ = (uint8_t)(v >> 8);
-                    continue;
-                }
                 const int e = (v >> 8) & 0x7f, sign = v >> 15;
-                const int c = e ? (e - base) << 1 | sign : 14 + sign;
-                codes[q % 32] |= (uint8_t)(c << (q < 32 ? 0 : 4));
+                low[q] = (uint8_t)v;
+                code[q] = (uint8_t)(e ? (e - base) << 1 | sign : 14 + sign);
             }
+            if (base == RAW) {
+                for (int q = 0; q < CODE_BLOCK; ++q)
+                    raw[q] = (uint8_t)(x[PERM(q)] >> 8);
+                raw += CODE_BLOCK;
+                memset(codes, 0, CODE_BYTES - CODE_BLOCK);
+                continue;
+            }
+            for (int q = 0; q < 32; ++q)
+                codes[q] = (uint8_t)(code[q] | code[q + 32] << 4);
         }
     }
 }

@@ -20,6 +20,7 @@ from support.bf16_checks import assert_bf16_close
 from kernels.gemv import (
     CODE_BLOCK,
     GEMV_MAX_ROWS,
+    RAW,
     code_weight,
     gemv,
     native_library,
@@ -131,7 +132,7 @@ def test_the_coded_copy_gives_the_same_bits(out, k):
     w = awkward_weight(out, k, seed=out)
     coded = code_weight(w)
     assert coded.shape == (out, k)
-    assert (coded.head == 0xFF).any() and (coded.head != 0xFF).any()  # both kinds of blocks
+    assert (coded.head == RAW).any() and (coded.head != RAW).any()  # both kinds of blocks
     for rows in range(1, GEMV_MAX_ROWS + 1):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         want = gemv(x, w).view(torch.int16)
@@ -144,7 +145,7 @@ def test_the_coded_copy_gives_the_same_bits(out, k):
 def test_a_gaussian_weight_codes_into_under_four_fifths_of_its_bytes():
     w = (torch.randn(512, 1024, generator=torch.Generator().manual_seed(4)) * 0.02).bfloat16()
     coded = code_weight(w)
-    assert (coded.head == 0xFF).float().mean() < 0.05  # blocks kept with their high bytes
+    assert (coded.head == RAW).float().mean() < 0.05  # blocks kept with their high bytes
     assert coded.nbytes < 0.8 * w.nbytes
 
 

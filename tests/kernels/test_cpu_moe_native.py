@@ -17,6 +17,7 @@ import torch
 from support.bf16_checks import assert_bf16_close
 from support.moe_layers import moe, run
 
+from kernels.gemv import RAW
 from kernels.moe_decode import (
     MOE_DECODE_MAX_TOKENS,
     code_experts,
@@ -142,7 +143,7 @@ def test_the_coded_copies_give_the_same_bits(tokens):
     shared = (*shared_major, torch.sigmoid(layer.shared_expert_gate(x)))
     coded = code_experts(layer.w13, layer.w2, shared_major)
     assert all(c is not None for c in coded)
-    assert any((c.head == 0xFF).any() for c in coded)  # blocks kept with their high bytes
+    assert any((c.head == RAW).any() for c in coded)  # blocks kept with their high bytes
     want = moe_decode(x, ids, weights, layer.w13, layer.w2, shared).view(torch.int16)
     for simd in (True, False):
         got = moe_decode(x, ids, weights, layer.w13, layer.w2, shared, simd=simd, coded=coded)
