@@ -68,30 +68,28 @@ def test_the_lm_head_screen(threads):
     assert same(threads(lambda: lm_head.screen_dots(xu, wq)))
 
 
-@torch.inference_mode()
-def test_the_moe_decode(threads):
-    hidden, inter, experts = 256, 304, 4  # 2I = 608 columns: 38 runs of 16 over 3 threads
-    w13 = (torch.randn(experts, hidden, 2 * inter, generator=gen(3)) * 0.05).bfloat16()
-    w2 = (torch.randn(experts, inter, hidden, generator=gen(4)) * 0.05).bfloat16()
-    shared = ((torch.randn(hidden, 2 * inter, generator=gen(5)) * 0.05).bfloat16(),
-              (torch.randn(inter, hidden, generator=gen(6)) * 0.05).bfloat16(), None)
-    x = torch.randn(2, hidden, generator=gen(7)).bfloat16()
-    ids = torch.tensor([[0, 3], [3, 1]])
-    weights = torch.rand(2, 2, generator=gen(8)).bfloat16()
-    assert same(threads(lambda: moe_decode.moe_decode(x, ids, weights, w13, w2, shared)))
-
-
-@torch.inference_mode()
-def test_the_moe_decode_over_coded_weights(threads):
-    hidden, inter, experts = 256, 352, 4  # 2I = 704 columns: 11 blocks of 64 over 3 threads
+def moe_operands(inter: int, hidden: int = 256, experts: int = 4):
     w13 = (torch.randn(experts, hidden, 2 * inter, generator=gen(3)) * 0.05).bfloat16()
     w2 = (torch.randn(experts, inter, hidden, generator=gen(4)) * 0.05).bfloat16()
     shared = ((torch.randn(hidden, 2 * inter, generator=gen(5)) * 0.05).bfloat16(),
               (torch.randn(inter, hidden, generator=gen(6)) * 0.05).bfloat16())
-    coded = moe_decode.code_experts(w13, w2, shared)
     x = torch.randn(2, hidden, generator=gen(7)).bfloat16()
     ids = torch.tensor([[0, 3], [3, 1]])
     weights = torch.rand(2, 2, generator=gen(8)).bfloat16()
+    return x, ids, weights, w13, w2, shared
+
+
+@torch.inference_mode()
+def test_the_moe_decode(threads):
+    x, ids, weights, w13, w2, shared = moe_operands(304)  # 2I = 608: 38 runs of 16, 3 threads
+    assert same(threads(lambda: moe_decode.moe_decode(x, ids, weights, w13, w2,
+                                                      (*shared, None))))
+
+
+@torch.inference_mode()
+def test_the_moe_decode_over_coded_weights(threads):
+    x, ids, weights, w13, w2, shared = moe_operands(352)  # 2I = 704: 11 blocks of 64
+    coded = moe_decode.code_experts(w13, w2, shared)
     assert same(threads(lambda: moe_decode.moe_decode(x, ids, weights, w13, w2, (*shared, None),
                                                       coded=coded) if coded else None))
 
