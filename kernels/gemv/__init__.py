@@ -55,12 +55,13 @@ RAW = 0xFF  # the header of a block kept with its high bytes
 
 @dataclass(frozen=True, slots=True)
 class CodedWeight:
-    """A bf16 weight [N, K] in 12 bits an element (gemv.c, "The coded form"): each element's low
-    byte as it is, its high byte (sign, top exponent bits) as a 4-bit code into its 64-element
-    block's window, the blocks that do not fit with their high bytes in a side run.  The same
-    values, 3/4 of the bytes a decode step streams.  ``body`` [N, K / 64, 96] and ``head``
-    [N, K / 64] uint8, ``side`` uint8 (at least one byte), ``side_at`` [N] int64 (row r's side
-    run starts there)."""
+    """A bf16 weight [N, K] in 12 bits an element (the format: ``kernels/cpu_coded.h``): each
+    element's low byte as it is, its high byte (sign, top exponent bits) as a 4-bit code into
+    its 64-element block's window, the blocks that do not fit with their high bytes in a side
+    run.  The same values, 3/4 of the bytes a decode step streams.  ``body`` [N, K / 64, 96]
+    and ``head`` [N, K / 64] uint8, ``side`` uint8 (at least one byte), ``side_at`` [N] int64
+    (row r's side run starts there).  Made once from the weight: a weight changed later keeps
+    the old copy."""
 
     body: torch.Tensor
     head: torch.Tensor
