@@ -265,22 +265,25 @@ int dasc_gemv_coded(const void *x, int64_t m, int64_t k, const uint8_t *body, co
     if (m < 1 || m > MAX_M || k < CODE_BLOCK || k % CODE_BLOCK || n < 1)
         return 1;
     float *xs = malloc((size_t)(m * k) * sizeof *xs);
-    uint16_t *row = malloc((size_t)k * sizeof *row);
-    if (!xs || !row) {
-        free(xs);
-        free(row);
+    if (!xs)
         return 1;
-    }
     split_even_odd(x, m, k, xs);
 #ifdef HAVE_X86
-    if (simd_ok(k, simd))
+    if (simd_ok(k, simd)) {
         coded_avx512(xs, m, k, body, head, side, side_at, n, y);
-    else
+        free(xs);
+        return 0;
+    }
 #endif
-        for (int64_t r = 0; r < n; ++r) {
-            decode_row(body, head, side, side_at, k, r, row);
-            row_portable(xs, m, k, row, n, r, y);
-        }
+    uint16_t *row = malloc((size_t)k * sizeof *row); /* the portable form's decoded row */
+    if (!row) {
+        free(xs);
+        return 1;
+    }
+    for (int64_t r = 0; r < n; ++r) {
+        decode_row(body, head, side, side_at, k, r, row);
+        row_portable(xs, m, k, row, n, r, y);
+    }
     free(row);
     free(xs);
     return 0;

@@ -68,10 +68,10 @@ AVX512 static void expert_cols_avx512(const float *in, int64_t m, int64_t rows, 
 }
 #endif
 
-/* expert_rows_portable over rows [row0, row0 + rows) of a coded matrix (each decoded first). */
+/* expert_rows_portable over rows [row0, row0 + rows) of a coded matrix, each decoded first
+ * into row (scratch of cols bf16 values). */
 static void coded_rows_portable(const float *in, int64_t m, int64_t rows, int64_t cols,
-                                const Coded *w, int64_t row0, float *acc) {
-    uint16_t *row = malloc((size_t)cols * sizeof *row);
+                                const Coded *w, int64_t row0, uint16_t *row, float *acc) {
     for (int64_t a = 0; a < m * cols; ++a)
         acc[a] = 0.0f;
     for (int64_t r = 0; r < rows; ++r) {
@@ -80,7 +80,6 @@ static void coded_rows_portable(const float *in, int64_t m, int64_t rows, int64_
             for (int64_t c = 0; c < cols; ++c)
                 acc[i * cols + c] = fmaf(in[i * rows + r], bf16_value(row[c]), acc[i * cols + c]);
     }
-    free(row);
 }
 
 #ifdef HAVE_X86
@@ -176,8 +175,7 @@ static void coded_rows(const float *in, int64_t m, int64_t rows, int64_t cols, c
     }
 #endif
     (void)fast;
-    (void)perm;
-    coded_rows_portable(in, m, rows, cols, w, row0, acc);
+    coded_rows_portable(in, m, rows, cols, w, row0, (uint16_t *)perm, acc);
 }
 
 /* acc = in @ (expert e's rows of w, or of its coded form code where that is not NULL). */
@@ -192,7 +190,7 @@ static void product(const float *in, int64_t m, int64_t rows, int64_t cols, cons
 
 /* Expert e over m of the tokens: token tok[i] with weight load_elem(wsrc, wat[i]) (1 when
  * wsrc is NULL); w13 [E, H, 2I], w2 [E, I, H], or their coded forms c13, c2 where not NULL.
- * buf: FP32 scratch of m * (4H + 3I). */
+ * buf: FP32 scratch of m * (3H + 5I). */
 static void expert_pass(const void *x, const int64_t *tok, const void *wsrc, const int64_t *wat,
                         int64_t m, int64_t H, int64_t I, const void *w13, const void *w2,
                         const Coded *c13, const Coded *c2, int64_t e, int b, int fast, float *buf,

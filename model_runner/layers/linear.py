@@ -58,8 +58,9 @@ PACK_MIN_ELEMENTS = 1 << 19
 # ms).  So fewer rows are padded with zero rows to 4.  Either way a row's bits do not depend on
 # how many rows share its step, up to 4.  With ``--cpu-coded-weights`` the GEMV streams the
 # weight's coded copy (``kernels.gemv.CodedWeight``: the same values in 3/4 of the bytes) and
-# gives the same bits: over Qwen3-Next's projections, one core, 0.71x / 0.78x / 0.87x the time
-# at 1 / 2 / 4 rows (docs/benchmarks.md, "Coded weights for the decode GEMV").
+# gives the same bits: over Qwen3-Next's projections, one core, ~0.7-0.8x the time at one row,
+# ~0.75-0.85x at two, about the same at four, where decoding makes it compute-bound
+# (docs/benchmarks.md, "Coded weights for the decode GEMV").
 PAD_ROWS = 4
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                  "_linear_pointwise")

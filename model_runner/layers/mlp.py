@@ -273,7 +273,7 @@ class SparseMoE(nn.Module):
         self.coded = code_experts(self.w13, self.w2, self.shared_expert.input_major())
         if self.coded is not None:  # moe_decode runs the shared expert: not its linears
             for part in (self.shared_expert.gate_up_proj, self.shared_expert.down_proj):
-                part.decode_gemv = False
+                part.decode_gemv, part.coded = False, None
         return [c for c in self.coded or () if c is not None]
 
     def pack_weights(self) -> int:
