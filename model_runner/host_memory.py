@@ -45,6 +45,21 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+def return_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``), once start-up
+    has freed what it copied or dropped (weights moved into huge pages, weights their copies
+    stand in for): ``keep_freed_memory`` would otherwise keep them resident for good.  The
+    step's temporaries that reuse those pages fault them in once.  Returns whether it ran."""
+    if os.environ.get("DASC_KEEP_FREED_MEMORY", "1") == "0":
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 # Transparent huge pages (2 MiB) for the weights a decode step streams.  With 4 KiB pages a
 # step's 0.4-1.5 GB of weights take a TLB miss every 64 cache lines, and on a VM each miss walks
 # two page tables; in huge pages a runner decode step got 3-9 % faster at both bench shapes

@@ -28,9 +28,11 @@ from model_runner.host_memory import (
     huge_page_bytes,
     huge_pages_enabled,
     keep_freed_memory,
+    return_freed_memory,
     move_to_huge_pages,
 )
-from model_runner.layers.linear import code_gemms, hold_fp32, pack_gemms, should_hold_fp32
+from model_runner.layers.linear import (code_gemms, hold_fp32, pack_gemms, release_weights,
+                                        should_hold_fp32)
 from model_runner.loader import build_model, load_weights
 from model_runner.model_files import check_tp
 from model_runner.models.common import StepContext
@@ -101,7 +103,8 @@ class ModelRunner:
             hold = should_hold_fp32(dtype, self.device)
         self.gemm_weight_bytes += hold_fp32(self.model) if hold else 0
         coded = code_gemms(self.model) if rc.coded_weights else []
-        self.gemm_weight_bytes += sum(c.nbytes for c in coded)
+        # a linear with both copies drops its weight: neither path reads it
+        self.gemm_weight_bytes += sum(c.nbytes for c in coded) - release_weights(self.model)
         huge_pages = rc.huge_pages and self.device.type == "cpu"
         if huge_pages:
             move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens,
@@ -127,6 +130,7 @@ class ModelRunner:
             self.decode_graphs.capture_all()
         if self.device.type == "cpu":  # after the weights and pools: they keep their own pages
             keep_freed_memory()
+            return_freed_memory()  # what start-up freed: moved or released weights
 
     def _screened_head(self, huge_pages: bool) -> ScreenedHead | None:
         """``RunnerConfig.lm_head_screen``'s screen, where it gives the full head's tokens: a

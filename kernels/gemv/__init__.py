@@ -104,26 +104,33 @@ def _code(weight: torch.Tensor) -> CodedWeight:
     return CodedWeight(body, head, side, side_at)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, simd: bool = True,
+def gemv(x: torch.Tensor, weight: torch.Tensor | None, simd: bool = True,
          coded: CodedWeight | None = None) -> torch.Tensor | None:
     """``x W^T`` for x [..., K] of at most ``GEMV_MAX_ROWS`` rows and weight [N, K], both bf16
     (weight contiguous) -> [..., N] bf16, each output summed in FP32 and rounded once; None
     where it does not run.  With ``coded`` (``code_weight(weight)``) it streams the coded copy
-    instead: the same bits."""
+    instead: the same bits; ``weight`` may then be None (a linear that released its weight,
+    ``PackedGemm.release_weight``)."""
+    if weight is None:
+        if coded is None:
+            raise ValueError("gemv needs the weight or its coded copy")
+        (n, k_w), held = coded.shape, ()
+    elif weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    else:
+        (n, k_w), held = weight.shape, (weight,)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (not 0 < rows <= GEMV_MAX_ROWS or k % 32
-            or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous()
-            or not kernel_runs(native_library, simd_available, k, simd, x, weight)):
+    if (not 0 < rows <= GEMV_MAX_ROWS or k % 32 or k_w != k or x.dtype != torch.bfloat16
+            or not kernel_runs(native_library, simd_available, k, simd, x, *held)):
         return None
     flat = x.reshape(rows, k).contiguous()
-    out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
     if coded is not None:
         failed = native_library().dasc_gemv_coded(
-            flat.data_ptr(), rows, k, *(t.data_ptr() for t in coded.tensors()),
-            weight.shape[0], out.data_ptr(), int(simd))
+            flat.data_ptr(), rows, k, *(t.data_ptr() for t in coded.tensors()), n,
+            out.data_ptr(), int(simd))
     else:
-        failed = native_library().dasc_gemv(flat.data_ptr(), rows, k, weight.data_ptr(),
-                                            weight.shape[0], out.data_ptr(), int(simd))
-    return None if failed else out.view(*x.shape[:-1], weight.shape[0])
+        failed = native_library().dasc_gemv(flat.data_ptr(), rows, k, weight.data_ptr(), n,
+                                            out.data_ptr(), int(simd))
+    return None if failed else out.view(*x.shape[:-1], n)

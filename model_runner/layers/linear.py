@@ -108,7 +108,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None = None,
            coded: CodedWeight | None = None) -> torch.Tensor:
     """``x W^T`` in ``x``'s dtype.  With ``packed`` (``pack_weight(weight)``): a bf16 packed
     copy takes every row count; an fp32 one 2 to ``PACK_MAX_ROWS`` rows, and one row of a
@@ -121,19 +121,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
     contiguous weight, which reads half the bytes.  Up to ``GEMV_MAX_ROWS`` rows of a bf16
     weight take the C GEMV (``kernels.gemv``) where it runs, from ``coded`` (``code_weight``'s
     copy of ``weight``) where given; a bf16 packed GEMM of fewer than ``PAD_ROWS`` rows runs
-    padded to ``PAD_ROWS``."""
+    padded to ``PAD_ROWS``.  ``weight`` is None where the module released it for those two
+    copies (``PackedGemm.release_weight``)."""
     rows = x.numel() // x.shape[-1]
-    if rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
+    if (rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
+            and (weight is None or weight.dtype == torch.bfloat16)):
         y = gemv(x, weight, coded=coded)  # decode's few rows: the weight streamed once, in C
         if y is not None:
             return y
     if packed is not None and (packed.dtype == x.dtype == torch.bfloat16
                                or 2 <= rows <= PACK_MAX_ROWS
-                               or (rows == 1 and not weight.is_contiguous())):
+                               or (rows == 1 and weight is not None
+                                   and not weight.is_contiguous())):
         if rows < PAD_ROWS and packed.dtype == torch.bfloat16:
             padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PAD_ROWS - rows))
             return packed_linear(padded, packed)[:rows].view(*x.shape[:-1], -1)
         return packed_linear(x, packed)  # and one row of a transposed (expert) weight
+    if weight is None:
+        raise RuntimeError(f"a linear whose weight its bf16 copies stand in for takes bf16 "
+                           f"input, not {x.dtype}")
     if weight.dtype != x.dtype:
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
     if (_EMULATED_BF16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
@@ -173,6 +179,13 @@ def pack_gemms(model: nn.Module) -> int:
     return sum(m.pack_weights() for m in model.modules() if hasattr(m, "pack_weights"))
 
 
+def release_weights(model: nn.Module) -> int:
+    """Let every linear whose packed bf16 and coded copies stand in for its weight drop it
+    (``PackedGemm.release_weight``); returns the bytes freed.  Run after ``pack_gemms`` and
+    ``code_gemms``."""
+    return sum(m.release_weight() for m in model.modules() if isinstance(m, PackedGemm))
+
+
 def code_gemms(model: nn.Module) -> list[CodedWeight]:
     """Let every module with ``code_weights`` (the linears, the MoE layers) take the coded
     copies of its bf16 weights that a decode step streams (``kernels.gemv.code_weight``),
@@ -186,6 +199,9 @@ class PackedGemm:
 
     CODED_WEIGHTS = ("weight",)  # what ``coded`` stands in for at decode
     decode_gemv = True  # whether decode steps run its GEMV: only then is it coded
+    # whether anything but ``linear`` reads ``weight`` (an input-major copy, an fp32 router,
+    # MLA's absorbed projections, a tied embedding): then its copies never stand in for it
+    keeps_weight = False
     packed: torch.Tensor | None = None
     coded: CodedWeight | None = None
 
@@ -196,6 +212,19 @@ class PackedGemm:
     def pack_weights(self) -> int:
         self.packed = pack_weight(self.weight)
         return 0 if self.packed is None else packed_bytes(self.weight)
+
+    def release_weight(self) -> int:
+        """Drop ``weight`` where its copies run every row count: the coded one decode's few
+        rows (the C GEMV), a packed bf16 one the others.  A CPU with AVX512-BF16 would
+        otherwise hold a linear's weight three times, once read by neither path (~1 GB at
+        Qwen3.5-0.8B).  ``weight`` is None after, so a reader not listed in ``keeps_weight``
+        fails instead of reading a stale copy.  Returns the bytes freed."""
+        weight = self.weight
+        if (self.keeps_weight or weight is None or self.coded is None or self.packed is None
+                or self.packed.dtype != torch.bfloat16):
+            return 0
+        self.weight = None
+        return weight.nbytes
 
 
 def group_rows(groups: Sequence[int], group_size: int, start: int = 0,
@@ -320,6 +349,7 @@ class ParallelLMHead(PackedGemm, VocabParallelEmbedding):
     """Vocab-sharded output projection; every rank gets the full [N, vocab] logits."""
 
     GEMM_WEIGHTS = ("weight",)
+    keeps_weight = True  # the tied embedding's, the screen's source
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, self.packed, self.coded)

@@ -162,6 +162,7 @@ class SparseMoE(nn.Module):
         local = len(index)
         router_dtype = torch.float32 if cfg.is_kda else dtype
         self.gate = ReplicatedLinear(hidden, num_experts, router_dtype)
+        self.gate.keeps_weight = cfg.is_kda  # ``route`` reads its weight in FP32
         # Stored input-major, [E, in, out] (the transpose of nn.Linear's weight), so that one
         # expert's weight is H contiguous rows of its output features: the rows the gathered
         # form's embedding_bag sums.  ``gate_up(e)`` / ``down(e)`` are the [out, in] views.
@@ -174,6 +175,8 @@ class SparseMoE(nn.Module):
         self.w13.whole_shard = self.w2.whole_shard = "fused"  # one tensor holding every expert
         self.shared_expert = DenseMLP(hidden, cfg.shared_expert_intermediate_size, tp, dtype,
                                       reduce=False, field="shared_expert_intermediate_size")
+        for part in (self.shared_expert.gate_up_proj, self.shared_expert.down_proj):
+            part.keeps_weight = True  # read input-major by ``moe_decode``
         if cfg.is_kda:
             bias = new_param(num_experts, dtype=torch.float32)
             self.e_score_correction_bias = attach_loader(bias, {None: None})

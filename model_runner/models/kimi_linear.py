@@ -117,6 +117,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             cfg.kv_lora_rank, {None: group_rows(heads, cfg.qk_nope_head_dim + cfg.v_head_dim)},
             dtype)
+        self.kv_b_proj.keeps_weight = True  # decode reads it absorbed (``layers.mla``)
         self.o_proj = RowParallelLinear(group_rows(heads, cfg.v_head_dim), hidden, tp, dtype)
         self.scale = qk**-0.5
         self.absorb_decode = True  # False: decode expands the cache too (tests compare)

@@ -1,7 +1,8 @@
 """Coded weights (``--cpu-coded-weights``, ``kernels.gemv.CodedWeight``): a bf16 runner gives its
 linears and MoE layers coded copies of their weights, its decode steps stream those, and its
 tokens and logits have the same bits with and without them, through prefill and batched
-decode."""
+decode.  Where a linear also holds a packed bf16 copy, the two copies run every row count
+and it drops its weight."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 from support.random_checkpoints import make_model
 from support.runner_scenarios import PAGE, greedy, prompts
 
-from kernels.gemv import CODE_BLOCK, native_library, simd_available
+import model_runner.layers.linear as linear_module
+from kernels.gemv import CODE_BLOCK, code_weight, native_library, simd_available
 from model_runner.batch import SeqInput
-from model_runner.layers.linear import PackedGemm
+from model_runner.cpu_features import cpu_has_native_bf16
+from model_runner.layers.linear import PackedGemm, linear, pack_weight
 from model_runner.layers.mlp import SparseMoE
 from model_runner.runner import ModelRunner, RunnerConfig
 
@@ -44,3 +47,49 @@ def test_the_same_bits_with_and_without_coded_copies(tmp_path, arch):
             runs[coded] = greedy(runner, seqs, steps=6)
     (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def stands_in(m: PackedGemm) -> bool:
+    """Whether a linear's copies run all its row counts (``PackedGemm.release_weight``)."""
+    return (not m.keeps_weight and m.coded is not None and m.packed is not None
+            and m.packed.dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("arch", ["gdn", "qwen3_5", "qwen3_5_moe", "kda", "olmo_hybrid"])
+def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatch, arch):
+    """Every linear packed (the tiny models' weights are below the size that packs): those
+    with packed bf16 and coded copies drop their weights, the others (a tied head, a shared
+    expert read input-major, MLA's absorbed projection) keep them, and the tokens and logits
+    are those of a runner without coded copies, which keeps every weight."""
+    monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
+    make_model(arch, tmp_path)
+    runs = {}
+    for coded in (True, False):
+        runner = bf16_runner(str(tmp_path), coded)
+        linears = [m for m in runner.model.modules() if isinstance(m, PackedGemm)]
+        assert all((m.weight is None) == (coded and stands_in(m)) for m in linears)
+        assert any(m.weight is None for m in linears) == (coded and cpu_has_native_bf16())
+        seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
+                for i, p in enumerate(prompts(runner.vocab_size))]
+        with torch.inference_mode():
+            runs[coded] = greedy(runner, seqs, steps=6)
+    (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="packed bf16 copies need native bf16")
+def test_a_released_weight_runs_from_its_copies(monkeypatch):
+    """``linear`` without the weight: its coded copy takes 1-4 rows, the packed one more, with
+    the bits of the weight's own forms; input the copies cannot take is refused."""
+    monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 128, generator=gen).bfloat16()
+    packed, coded = pack_weight(weight), code_weight(weight)
+    assert packed is not None and packed.dtype == torch.bfloat16 and coded is not None
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 5, 17):
+            x = torch.randn(rows, 128, generator=gen).bfloat16()
+            assert torch.equal(linear(x, None, packed, coded), linear(x, weight, packed, coded))
+            assert torch.equal(linear(x, None, packed, coded), linear(x, weight, packed))
+        with pytest.raises(RuntimeError, match="bf16"):
+            linear(x[:1].float(), None, packed, coded)  # only the plain weight took it
