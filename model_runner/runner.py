@@ -28,11 +28,16 @@ from model_runner.host_memory import (
     huge_page_bytes,
     huge_pages_enabled,
     keep_freed_memory,
-    return_freed_memory,
     move_to_huge_pages,
+    return_freed_memory,
 )
-from model_runner.layers.linear import (code_gemms, hold_fp32, pack_gemms, release_weights,
-                                        should_hold_fp32)
+from model_runner.layers.linear import (
+    code_gemms,
+    hold_fp32,
+    pack_gemms,
+    release_weights,
+    should_hold_fp32,
+)
 from model_runner.loader import build_model, load_weights
 from model_runner.model_files import check_tp
 from model_runner.models.common import StepContext
