@@ -108,15 +108,17 @@ class ModelRunner:
             hold = should_hold_fp32(dtype, self.device)
         self.gemm_weight_bytes += hold_fp32(self.model) if hold else 0
         coded = code_gemms(self.model) if rc.coded_weights else []
-        # a linear with both copies drops its weight: neither path reads it
-        self.gemm_weight_bytes += sum(c.nbytes for c in coded) - release_weights(self.model)
+        self.gemm_weight_bytes += sum(c.nbytes for c in coded)
         huge_pages = rc.huge_pages and self.device.type == "cpu"
+        # from the head's weight, before it may be dropped; its int8 copy is written straight
+        # into huge pages of its own
+        self.screened_head = self._screened_head(huge_pages)
+        self.gemm_weight_bytes += self.screened_head.nbytes if self.screened_head else 0
+        # a linear with both copies drops its weight: neither path reads it
+        self.gemm_weight_bytes -= release_weights(self.model)
         if huge_pages:
             move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens,
                                                [t for c in coded for t in c.tensors()]))
-        # after the move: the screen's int8 copy is written straight into huge pages
-        self.screened_head = self._screened_head(huge_pages)
-        self.gemm_weight_bytes += self.screened_head.nbytes if self.screened_head else 0
         self.screened_tokens = 0  # tokens ``greedy`` gave
         self.kv = KVPool([type(self.model).kv_entry_shape(cfg, self.tp)] * len(cfg.full_layer_ids),
                          rc.num_pages, rc.page_size, dtype, self.device)
@@ -152,7 +154,7 @@ class ModelRunner:
             return None
         out = (huge_page_bytes(weight.numel()).view(torch.int8).view(weight.shape)
                if huge_pages and huge_pages_enabled() else None)
-        return ScreenedHead(weight, out)
+        return ScreenedHead(weight, out, rows=self.model.lm_head.rows)
 
     def _first_linear_mixer(self):
         layer = self.model.model.layers[self.cfg.linear_layer_ids[0]]

@@ -29,6 +29,7 @@ _SIGNATURES = {
     "dasc_code_heads": (PTR, I64, I64, PTR),
     "dasc_code": (PTR, I64, I64, PTR, PTR, PTR, PTR),
     "dasc_gemv_coded": (PTR, I64, I64, PTR, PTR, PTR, PTR, I64, PTR, I64),
+    "dasc_coded_rows": (PTR, PTR, PTR, PTR, I64, PTR, I64, PTR),
 }
 
 GEMV_MAX_ROWS = 4  # its sums stay in registers: four weight rows by four rows of x
@@ -39,7 +40,7 @@ def native_library() -> ctypes.CDLL | None:
     return load_library(SOURCE, "gemv", _SIGNATURES, "the C decode GEMV", flags=("-fopenmp",),
                         returns={"dasc_gemv": ctypes.c_int, "dasc_gemv_simd": ctypes.c_int,
                                  "dasc_code_heads": None, "dasc_code": None,
-                                 "dasc_gemv_coded": ctypes.c_int})
+                                 "dasc_gemv_coded": ctypes.c_int, "dasc_coded_rows": None})
 
 
 @cache
@@ -89,6 +90,19 @@ def code_weight(weight: torch.Tensor) -> CodedWeight | None:
             or not enabled() or native_library() is None or not simd_available()):
         return None
     return _code(weight.detach())
+
+
+def coded_rows(coded: CodedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the weight ``coded`` stands for, exactly: bf16 [*ids.shape, K], as
+    ``F.embedding(ids, weight)`` gives them (an id out of range raises IndexError)."""
+    n, k = coded.shape
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"row ids must lie in [0, {n})")
+    out = torch.empty(flat.numel(), k, dtype=torch.bfloat16)
+    native_library().dasc_coded_rows(*(t.data_ptr() for t in coded.tensors()), k,
+                                     flat.data_ptr(), flat.numel(), out.data_ptr())
+    return out.view(*ids.shape, k)
 
 
 def _code(weight: torch.Tensor) -> CodedWeight:

@@ -288,3 +288,13 @@ int dasc_gemv_coded(const void *x, int64_t m, int64_t k, const uint8_t *body, co
     free(xs);
     return 0;
 }
+
+/* Rows ids[0..n) of the weight [*, k] that body/head/side stand for, exactly, as bf16 into
+ * out [n, k]: an input embedding's lookup from its tied LM head's coded copy. */
+void dasc_coded_rows(const uint8_t *body, const uint8_t *head, const uint8_t *side,
+                     const int64_t *side_at, int64_t k, const int64_t *ids, int64_t n,
+                     uint16_t *out) {
+#pragma omp parallel for schedule(static) if (n >= 64)
+    for (int64_t i = 0; i < n; ++i)
+        decode_row(body, head, side, side_at, k, ids[i], out + i * k);
+}

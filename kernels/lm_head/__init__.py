@@ -27,6 +27,7 @@ full head.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -79,17 +80,20 @@ def screen_dots(xu: torch.Tensor, wq: torch.Tensor, simd: bool = True) -> torch.
 class ScreenedHead:
     """The int8 copy of a bf16 LM head weight [V, K] and what its bound needs, per row."""
 
-    def __init__(self, weight: torch.Tensor, out: torch.Tensor | None = None):
-        """``weight``: the head's bf16 [V, K] tensor itself (the candidates are computed from
-        it); the int8 copy is made in C (``native_library`` must load), into ``out`` (an
-        untouched contiguous int8 [V, K] tensor: a serving rank's is in huge pages, as it is
-        streamed every step) or a new tensor."""
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor | None = None,
+                 rows: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``weight``: the head's bf16 [V, K] tensor; the int8 copy is made in C
+        (``native_library`` must load), into ``out`` (an untouched contiguous int8 [V, K]
+        tensor: a serving rank's is in huge pages, as it is streamed every step) or a new
+        tensor.  The candidates are computed from ``rows(ids)``, the head's rows ``ids``
+        exactly (a runner's head may give them from its coded copy once it drops the weight),
+        else from ``weight``, which is then kept."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError("the screened head reads a contiguous bf16 [vocab, hidden] weight")
         if native_library() is None:
             raise RuntimeError("the LM head's int8 screen is not built here (no C compiler, or "
                                "DASC_NATIVE_KERNELS=0)")
-        self.weight = weight
+        self.rows = rows or (lambda ids: weight.index_select(0, ids))
         v, k = weight.shape
         if out is not None and (out.shape != (v, k) or out.dtype != torch.int8
                                 or not out.is_contiguous()):
@@ -137,7 +141,7 @@ class ScreenedHead:
             if count < 0:
                 return None
             rows = ids[:count]
-            exact = gemv(hidden[i : i + 1], self.weight.index_select(0, rows))
+            exact = gemv(hidden[i : i + 1], self.rows(rows))
             if exact is None:
                 return None
             tokens.append(int(rows[exact.float().max(dim=-1).indices]))

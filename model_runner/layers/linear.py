@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import GEMV_MAX_ROWS, CodedWeight, code_weight, gemv
+from kernels.gemv import GEMV_MAX_ROWS, CodedWeight, code_weight, coded_rows, gemv
 from model_runner.cpu_features import cpu_has_native_bf16
 from model_runner.parallel import TPGroup
 
@@ -181,9 +181,16 @@ def pack_gemms(model: nn.Module) -> int:
 
 def release_weights(model: nn.Module) -> int:
     """Let every linear whose packed bf16 and coded copies stand in for its weight drop it
-    (``PackedGemm.release_weight``); returns the bytes freed.  Run after ``pack_gemms`` and
-    ``code_gemms``."""
-    return sum(m.release_weight() for m in model.modules() if isinstance(m, PackedGemm))
+    (``PackedGemm.release_weight``); returns the bytes freed.  A tied LM head's weight is the
+    input embedding's tensor: where the head drops it, the embedding reads its rows from the
+    head's coded copy.  Run after ``pack_gemms`` and ``code_gemms``."""
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    freed = sum(m.release_weight() for m in model.modules() if isinstance(m, PackedGemm))
+    if tied and head.weight is None:
+        embedding.coded, embedding.weight = head.coded, None
+    return freed
 
 
 def code_gemms(model: nn.Module) -> list[CodedWeight]:
@@ -216,9 +223,10 @@ class PackedGemm:
     def release_weight(self) -> int:
         """Drop ``weight`` where its copies run every row count: the coded one decode's few
         rows (the C GEMV), a packed bf16 one the others.  A CPU with AVX512-BF16 would
-        otherwise hold a linear's weight three times, once read by neither path (~1 GB at
-        Qwen3.5-0.8B).  ``weight`` is None after, so a reader not listed in ``keeps_weight``
-        fails instead of reading a stale copy.  Returns the bytes freed."""
+        otherwise hold a linear's weight three times, once read by neither path (1.5 GB at
+        Qwen3.5-0.8B, its tied LM head's 0.5 included).  ``weight`` is None after, so a
+        reader not listed in ``keeps_weight`` fails instead of reading a stale copy.  Returns
+        the bytes freed."""
         weight = self.weight
         if (self.keeps_weight or weight is None or self.coded is None or self.packed is None
                 or self.packed.dtype != torch.bfloat16):
@@ -316,7 +324,11 @@ class RowParallelLinear(PackedGemm, nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Vocabulary rows [rank*V_p, (rank+1)*V_p), V_p = ceil(vocab / tp); padding rows are 0."""
+    """Vocabulary rows [rank*V_p, (rank+1)*V_p), V_p = ceil(vocab / tp); padding rows are 0.
+    Where ``weight`` is None its rows come from ``coded``, its tied LM head's coded copy
+    (``release_weights``)."""
+
+    coded: CodedWeight | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
@@ -335,12 +347,19 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded[self.start : self.start + self.per_rank]
         param.data[: rows.shape[0]].copy_(rows)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``ids`` of the weight, exactly, from its coded copy where the
+        weight was released."""
+        if self.weight is None:
+            return coded_rows(self.coded, ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self.rows(token_ids)
         local = token_ids - self.start
         is_mine = (local >= 0) & (local < self.per_rank)
-        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight)
+        out = self.rows(local.clamp(0, self.per_rank - 1))
         out = out * is_mine[:, None].to(out.dtype)
         return self.tp.all_reduce(out)
 
@@ -349,7 +368,6 @@ class ParallelLMHead(PackedGemm, VocabParallelEmbedding):
     """Vocab-sharded output projection; every rank gets the full [N, vocab] logits."""
 
     GEMM_WEIGHTS = ("weight",)
-    keeps_weight = True  # the tied embedding's, the screen's source
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, self.packed, self.coded)

@@ -7,7 +7,8 @@
   cannot run it declines (None);
 - over a weight's coded copy (``code_weight``: 12 bits an element) it gives the same bits,
   whatever the weight holds (zeros, subnormals, infinities, NaNs, blocks too wide to code), and
-  ``linear`` streams the copy it is given.
+  ``linear`` streams the copy it is given, and its rows come back exactly (an input
+  embedding's lookup from its tied head's copy).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kernels.gemv import (
     GEMV_MAX_ROWS,
     RAW,
     code_weight,
+    coded_rows,
     gemv,
     native_library,
     simd_available,
@@ -171,3 +173,20 @@ def test_linear_streams_the_coded_copy():
         assert torch.equal(linear_mod.linear(x, w, coded=coded), gemv(x, before))
     x, _ = operands(GEMV_MAX_ROWS + 1, out=96, k=640)
     assert torch.equal(linear_mod.linear(x, w, coded=coded), linear_mod.linear(x, w))
+
+
+@needs_simd
+@torch.inference_mode()
+def test_coded_rows_are_the_weights_rows():
+    """Any rows, repeated, in any shape of ids, with the bits of ``F.embedding`` (NaN, inf,
+    subnormals and raw blocks included), also for a lookup big enough to split among threads;
+    an id out of range raises as ``F.embedding`` does."""
+    w = awkward_weight(203, 640, seed=3)
+    coded = code_weight(w)
+    for ids in (torch.tensor([0]), torch.tensor([[202, 0, 5], [5, 5, 17]]),
+                torch.randint(0, 203, (300,), generator=torch.Generator().manual_seed(1))):
+        assert torch.equal(coded_rows(coded, ids).view(torch.int16),
+                           F.embedding(ids, w).view(torch.int16))
+    for bad in (torch.tensor([203]), torch.tensor([-1])):
+        with pytest.raises(IndexError):
+            coded_rows(coded, bad)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import lm_head
-from kernels.gemv import gemv
+from kernels.gemv import code_weight, coded_rows, gemv
 from kernels.gemv import simd_available as gemv_simd
 from kernels.lm_head import ScreenedHead, screen_dots
 
@@ -51,6 +51,22 @@ def test_greedy_equals_full_head(m):
         scale = 10.0 ** (trial % 4 - 1)  # hidden rows from 0.1 to 100
         hidden = (torch.randn(m, K, generator=gen) * scale).bfloat16()
         assert screened.argmax(hidden) == full_argmax(hidden, weight)
+
+
+@torch.inference_mode()
+def test_candidates_from_the_heads_coded_rows():
+    """A head that dropped its weight gives the screen its rows from the coded copy: the
+    same tokens, and the screen keeps no reference to the weight."""
+    weight = head(5000, seed=11)
+    coded = code_weight(weight)
+    screened = ScreenedHead(weight, rows=lambda ids: coded_rows(coded, ids))
+    want = weight.clone()
+    weight.zero_()  # the screen reads neither its values nor (below) its storage
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(8):
+        hidden = (torch.randn(2, K, generator=gen) * 10.0 ** (trial % 3)).bfloat16()
+        assert screened.argmax(hidden) == full_argmax(hidden, want)
+    assert all(t is not weight for t in vars(screened).values())
 
 
 @torch.inference_mode()

@@ -6,10 +6,13 @@ and it drops its weight."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from support.paths import SUPPORT
 from support.random_checkpoints import make_model
-from support.runner_scenarios import PAGE, greedy, prompts
+from support.runner_scenarios import PAGE, STEPS, greedy, prompts
 
 import model_runner.layers.linear as linear_module
 from kernels.gemv import CODE_BLOCK, code_weight, native_library, simd_available
@@ -23,9 +26,10 @@ pytestmark = pytest.mark.skipif(native_library() is None or not simd_available()
                                 reason="the coded GEMV needs a C compiler and AVX-512")
 
 
-def bf16_runner(model_dir: str, coded: bool) -> ModelRunner:
+def bf16_runner(model_dir: str, coded: bool, screen: str = "auto") -> ModelRunner:
     return ModelRunner(RunnerConfig(model_dir, dtype="bfloat16", num_pages=256, page_size=PAGE,
-                                    num_state_slots=12, coded_weights=coded))
+                                    num_state_slots=12, coded_weights=coded,
+                                    lm_head_screen=screen))
 
 
 @pytest.mark.parametrize("arch", ["gdn", "qwen3_5"])
@@ -60,19 +64,31 @@ def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatc
     """Every linear packed (the tiny models' weights are below the size that packs): those
     with packed bf16 and coded copies drop their weights, the others (a tied head, a shared
     expert read input-major, MLA's absorbed projection) keep them, and the tokens and logits
-    are those of a runner without coded copies, which keeps every weight."""
+    are those of a runner without coded copies, which keeps every weight.  A tied head's
+    embedding and the greedy rows' screen read the head's rows from its coded copy."""
     monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
     make_model(arch, tmp_path)
     runs = {}
     for coded in (True, False):
-        runner = bf16_runner(str(tmp_path), coded)
+        runner = bf16_runner(str(tmp_path), coded, screen="on")
         linears = [m for m in runner.model.modules() if isinstance(m, PackedGemm)]
         assert all((m.weight is None) == (coded and stands_in(m)) for m in linears)
         assert any(m.weight is None for m in linears) == (coded and cpu_has_native_bf16())
+        head, embedding = runner.model.lm_head, runner.model.model.embed_tokens
+        if head.weight is None and runner.cfg.tie_word_embeddings:  # its rows from the copy
+            assert embedding.weight is None and embedding.coded is head.coded
+        else:
+            assert embedding.weight is not None
         seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
                 for i, p in enumerate(prompts(runner.vocab_size))]
         with torch.inference_mode():
             runs[coded] = greedy(runner, seqs, steps=6)
+            if runner.screened_head is not None:
+                fresh = [SeqInput(p, 0, list(range(180 + i * 20, 200 + i * 20)), 7 + i)
+                         for i, p in enumerate(prompts(runner.vocab_size, seed=1))]
+                hidden = runner.forward(fresh, head=False)
+                want = runner.head_logits(hidden).argmax(dim=-1).tolist()
+                assert runner.greedy(hidden) == want and runner.screened_tokens == len(want)
     (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
 
@@ -93,3 +109,26 @@ def test_a_released_weight_runs_from_its_copies(monkeypatch):
             assert torch.equal(linear(x, None, packed, coded), linear(x, weight, packed))
         with pytest.raises(RuntimeError, match="bf16"):
             linear(x[:1].float(), None, packed, coded)  # only the plain weight took it
+
+
+def test_tp2_the_same_bits_with_and_without_coded_copies(tmp_path, torchrun):
+    """TP=2 over torchrun: each rank codes its shards (and, every linear packed, drops the
+    weights its copies stand in for); every scenario's tokens and logits keep their bits."""
+    jobs = []
+    for i, arch in enumerate(("gdn", "qwen3_5")):
+        hf = make_model(arch, tmp_path / arch, seed=i, linear_num_key_heads=4,
+                        linear_num_value_heads=8)
+        ps = prompts(hf.config.get_text_config().vocab_size, seed=i)
+        jobs += [{"model_dir": str(tmp_path / arch), "prompts": ps, "steps": STEPS,
+                  "pack_all": True, "config": {"dtype": "bfloat16", "coded_weights": coded}}
+                 for coded in (True, False)]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    torchrun(2, SUPPORT / "tp_worker.py", str(spec), str(tmp_path))
+    for i in range(0, len(jobs), 2):
+        coded, plain = (torch.load(tmp_path / f"job{j}.pt") for j in (i, i + 1))
+        assert plain["released"] == 0 and (coded["released"] > 0) == cpu_has_native_bf16()
+        for key in ("tokens", "prefill", "decode_logits"):
+            assert all(torch.equal(a, b) for a, b in zip(coded[key], plain[key])), key
+        for key in ("batch_tokens", "batch_logits", "roundtrip"):
+            assert torch.equal(coded[key], plain[key]), key

@@ -58,10 +58,11 @@ class Pages:
         return [self.free.pop() for _ in range(-(-num_tokens // PAGE))]
 
 
-def make_runner(model_dir: str, tp=None, head_order=None, cuda_graph_max_bs: int = 0
-                ) -> ModelRunner:
+def make_runner(model_dir: str, tp=None, head_order=None, cuda_graph_max_bs: int = 0,
+                **config) -> ModelRunner:
+    """A runner of the tiny model; ``config``: other ``RunnerConfig`` fields (dtype, ...)."""
     rc = RunnerConfig(model_dir, num_pages=256, page_size=PAGE, num_state_slots=12,
-                      cuda_graph_max_bs=cuda_graph_max_bs)
+                      cuda_graph_max_bs=cuda_graph_max_bs, **config)
     return ModelRunner(rc, tp, head_order)
 
 
