@@ -100,8 +100,9 @@ class ModelRunner:
         self.model = build_model(cfg, self.tp, dtype, head_order)
         load_weights(self.model, model_dir)
         self.model.to(self.device)
+        loaded = sum(p.nbytes for p in self.model.parameters())
         # extra weight memory the CPU GEMM forms take (packed copies, bf16 held as fp32, the LM
-        # head's int8 screen)
+        # head's int8 screen), less the weights those copies stand in for
         self.gemm_weight_bytes = pack_gemms(self.model) if rc.packed_weights else 0
         hold = rc.fp32_weights
         if hold is None:
@@ -119,6 +120,7 @@ class ModelRunner:
         if huge_pages:
             move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens,
                                                [t for c in coded for t in c.tensors()]))
+        self.weight_bytes = loaded + self.gemm_weight_bytes  # the weights in every form held
         self.screened_tokens = 0  # tokens ``greedy`` gave
         self.kv = KVPool([type(self.model).kv_entry_shape(cfg, self.tp)] * len(cfg.full_layer_ids),
                          rc.num_pages, rc.page_size, dtype, self.device)

@@ -122,8 +122,7 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
         raise ValueError(f"the state budget holds no checkpoint slot ({slot_bytes} bytes each)")
     runner.attach_checkpoints(plan, num_slots, CheckpointFormat(payload=spec.payload.value,
                                                                 placement=placement))
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    warm_up(runner, 0 if weight_bytes < WARM_UP_MIN_BYTES else
+    warm_up(runner, 0 if runner.weight_bytes < WARM_UP_MIN_BYTES else
             min(WARM_UP_TOKENS, sched.max_total_tokens - 1, max_context_len(config.model) - 1))
     info = RankInfo(cfg.architecture, tp.size, cfg.vocab_size, cfg.eos_token_id,
                     max_context_len(config.model), num_slots, slot_bytes,

@@ -68,9 +68,12 @@ def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatc
     embedding and the greedy rows' screen read the head's rows from its coded copy."""
     monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
     make_model(arch, tmp_path)
-    runs = {}
+    runs, sizes = {}, {}
     for coded in (True, False):
         runner = bf16_runner(str(tmp_path), coded, screen="on")
+        # what the weights take in every form, at least the model as loaded (the serving
+        # rank's warm-up goes by it), with copies or without
+        sizes[coded] = runner.weight_bytes, sum(p.nbytes for p in runner.model.parameters())
         linears = [m for m in runner.model.modules() if isinstance(m, PackedGemm)]
         assert all((m.weight is None) == (coded and stands_in(m)) for m in linears)
         assert any(m.weight is None for m in linears) == (coded and cpu_has_native_bf16())
@@ -91,6 +94,7 @@ def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatc
                 assert runner.greedy(hidden) == want and runner.screened_tokens == len(want)
     (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    assert sizes[True][0] > sizes[False][1] and sizes[False][0] > sizes[False][1]
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="packed bf16 copies need native bf16")
