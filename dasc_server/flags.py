@@ -152,8 +152,8 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
            "where the CPU has AVX-512: the same values in 12 bits an element, so the same bits "
            "out, in ~0.7-0.85x the GEMV's time at 1-2 rows, about the same at 4; where the CPU "
            "has AVX512-BF16 or AMX a linear then drops its weight, which neither its packed nor "
-           "its coded copy needs (~0.75 GB less at Qwen3.5-0.8B), elsewhere each copy costs "
-           "~0.77x its weight")
+           "its coded copy needs (0.1-0.24 GiB less at Qwen3.5-0.8B than off), elsewhere each "
+           "copy costs ~0.77x its weight; ~1.5 s more start-up there")
     on_off(g, "--cpu-amx-delta-rule", RANKS.cpu_amx_delta_rule,
            "a bf16 model's chunked delta rule (GDN prefill) with its products on AMX tiles from "
            "bf16 operands, FP32 accumulation, as fla's GPU kernels read them, where the CPU has "
