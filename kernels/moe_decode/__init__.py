@@ -48,26 +48,39 @@ def _runs(dim: int, simd: bool, *tensors: torch.Tensor) -> bool:
 MOE_DECODE_MAX_TOKENS = 8  # its per-token sums stay in the first two cache levels
 
 
-def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, shared: tuple | None = None, simd: bool = True,
-               coded: tuple[CodedWeight | None, ...] | None = None) -> torch.Tensor | None:
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               w13: torch.Tensor | None, w2: torch.Tensor | None, shared: tuple | None = None,
+               simd: bool = True, coded: tuple[CodedWeight | None, ...] | None = None
+               ) -> torch.Tensor | None:
     """x [T, H] routed to experts ``ids`` [T, k] (int64) with ``weights`` [T, k] through
     w13 [E, H, 2I] and w2 [E, I, H] (input-major, x's dtype), then the shared expert
     ``shared`` = (w13 [H, 2Is], w2 [Is, H], its weights [T] or None for 1) added last ->
     [T, H] in x's dtype, rounded where ``SparseMoE`` rounds; None where it does not run (more
     than ``MOE_DECODE_MAX_TOKENS`` tokens, other dtypes or layouts).  ``coded``: the coded
     copies (``code_experts``) it streams instead of the weights, where not None: the same
-    bits.  Raises IndexError for an expert id outside [0, E) (the C code trusts them)."""
+    bits; w13 and w2 may then be None (a layer that dropped them,
+    ``SparseMoE.release_experts``).  Raises IndexError for an expert id outside [0, E) (the C
+    code trusts them)."""
     num_tokens, hidden = x.shape
-    num_experts, inter = w2.shape[0], w2.shape[1]
+    if w13 is None or w2 is None:
+        if coded is None or coded[0] is None or coded[1] is None:
+            raise ValueError("moe_decode needs the experts' weights or their coded copies")
+        w13 = w2 = None
+        (rows13, width13), (rows2, width2) = coded[0].shape, coded[1].shape
+        inter = width13 // 2
+        num_experts = rows2 // inter if inter else 0
+        fits = (x.dtype == torch.bfloat16 and width2 == hidden and inter > 0
+                and rows13 == num_experts * hidden and rows2 == num_experts * inter)
+    else:
+        num_experts, inter = w2.shape[0], w2.shape[1]
+        fits = (w13.shape == (num_experts, hidden, 2 * inter) and w2.shape[2] == hidden
+                and w13.is_contiguous() and w2.is_contiguous())
     s13, s2, s_weights = shared if shared is not None else (None, None, None)
-    tensors = (weights, w13, w2, *(t for t in (s13, s2, s_weights) if t is not None))
-    if (not 0 < num_tokens <= MOE_DECODE_MAX_TOKENS
+    tensors = tuple(t for t in (weights, w13, w2, s13, s2, s_weights) if t is not None)
+    if (not fits or not 0 < num_tokens <= MOE_DECODE_MAX_TOKENS
             or x.dtype not in (torch.bfloat16, torch.float32)
             or any(t.dtype != x.dtype for t in tensors)
-            or w13.shape != (num_experts, hidden, 2 * inter) or w2.shape[2] != hidden
             or ids.dtype != torch.long or ids.shape != weights.shape or ids.shape[0] != num_tokens
-            or not all(t.is_contiguous() for t in (w13, w2))
             or not _runs(hidden, simd, x, *tensors) or (simd and inter % 16)):
         return None
     shared_inter = 0
@@ -86,7 +99,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     out = torch.zeros_like(x)
     failed = native_library().dasc_moe_decode(
         x.data_ptr(), num_tokens, hidden, inter, ids.data_ptr(), weights.data_ptr(),
-        ids.shape[1], w13.data_ptr(), w2.data_ptr(), *(_ptr(t) for t in (s13, s2)),
+        ids.shape[1], *(_ptr(t) for t in (w13, w2, s13, s2)),
         shared_inter, _ptr(s_weights), int(x.dtype == torch.bfloat16), out.data_ptr(),
         int(simd), _codes(coded))
     return None if failed else out

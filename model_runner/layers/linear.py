@@ -121,11 +121,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | 
     contiguous weight, which reads half the bytes.  Up to ``GEMV_MAX_ROWS`` rows of a bf16
     weight take the C GEMV (``kernels.gemv``) where it runs, from ``coded`` (``code_weight``'s
     copy of ``weight``) where given; a bf16 packed GEMM of fewer than ``PAD_ROWS`` rows runs
-    padded to ``PAD_ROWS``.  ``weight`` is None where the module released it for those two
-    copies (``PackedGemm.release_weight``)."""
+    padded to ``PAD_ROWS``.  ``weight`` is None where the module released it for its copies
+    (``PackedGemm.release_weight``, ``SparseMoE.release_experts``)."""
     rows = x.numel() // x.shape[-1]
     if (rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16
-            and (weight is None or weight.dtype == torch.bfloat16)):
+            and (coded is not None if weight is None else weight.dtype == torch.bfloat16)):
         y = gemv(x, weight, coded=coded)  # decode's few rows: the weight streamed once, in C
         if y is not None:
             return y
@@ -179,15 +179,20 @@ def pack_gemms(model: nn.Module) -> int:
     return sum(m.pack_weights() for m in model.modules() if hasattr(m, "pack_weights"))
 
 
-def release_weights(model: nn.Module) -> int:
+def release_weights(model: nn.Module, fixed_shapes: bool = False) -> int:
     """Let every linear whose packed bf16 and coded copies stand in for its weight drop it
-    (``PackedGemm.release_weight``); returns the bytes freed.  A tied LM head's weight is the
-    input embedding's tensor: where the head drops it, the embedding reads its rows from the
-    head's coded copy.  Run after ``pack_gemms`` and ``code_gemms``."""
+    (``PackedGemm.release_weight``), and, unless ``fixed_shapes`` decode runs (its expert
+    forms read them), every MoE layer its routed experts' (``release_experts``); returns the
+    bytes freed.  A tied LM head's weight is the input embedding's tensor: where the head
+    drops it, the embedding reads its rows from the head's coded copy.  Run after
+    ``pack_gemms`` and ``code_gemms``."""
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     freed = sum(m.release_weight() for m in model.modules() if isinstance(m, PackedGemm))
+    if not fixed_shapes:
+        freed += sum(m.release_experts() for m in model.modules()
+                     if hasattr(m, "release_experts"))
     if tied and head.weight is None:
         embedding.coded, embedding.weight = head.coded, None
     return freed

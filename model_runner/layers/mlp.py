@@ -265,9 +265,12 @@ class SparseMoE(nn.Module):
 
     def _experts(self, x, weights, ids, out, is_static: bool) -> None:
         """The routed experts' weighted sum into ``out``, in the form ``expert_form`` picks."""
+        if self.w13 is None and is_static:
+            raise RuntimeError("the fixed-shape expert forms read the experts' weights, which "
+                               "this layer dropped for its copies")
         form = expert_form(x.shape[0], self.cfg, x.device.type, is_static,
-                           grouped_mm_runs(x, self.w13, self.w2),
-                           emulates_bf16(self.w13) or self.packs_bf16)
+                           self.w13 is not None and grouped_mm_runs(x, self.w13, self.w2),
+                           self.packs_bf16 or emulates_bf16(self.w13))
         getattr(self, f"_{form}_experts")(x, weights, ids, out)
 
     def code_weights(self) -> list[CodedWeight]:
@@ -278,6 +281,19 @@ class SparseMoE(nn.Module):
             for part in (self.shared_expert.gate_up_proj, self.shared_expert.down_proj):
                 part.decode_gemv, part.coded = False, None
         return [c for c in self.coded or () if c is not None]
+
+    def release_experts(self) -> int:
+        """Drop the routed experts' weights where their copies run every eager step: coded
+        ones a decode step's few tokens (``moe_decode``), packed bf16 ones the routed form's
+        GEMMs.  Not where fixed-shape decode runs (its forms read the weights: the caller
+        knows).  Returns the bytes freed."""
+        coded, pairs = self.coded, self.packed_experts
+        if (self.w13 is None or coded is None or coded[0] is None or coded[1] is None
+                or not self.packs_bf16 or any(p is None for pair in pairs for p in pair)):
+            return 0
+        freed = self.w13.nbytes + self.w2.nbytes
+        self.w13 = self.w2 = None
+        return freed
 
     def pack_weights(self) -> int:
         """``pack_gemms``: packed copies of each expert's [out, in] views, for its GEMMs of two
@@ -297,11 +313,11 @@ class SparseMoE(nn.Module):
         first = self.packed_experts[0][0] if self.packed_experts else None
         return first is not None and first.dtype == torch.bfloat16
 
-    def gate_up(self, expert: int) -> torch.Tensor:
-        return self.w13[expert].t()  # [2I, hidden]
+    def gate_up(self, expert: int) -> torch.Tensor | None:  # None: dropped (release_experts)
+        return None if self.w13 is None else self.w13[expert].t()  # [2I, hidden]
 
-    def down(self, expert: int) -> torch.Tensor:
-        return self.w2[expert].t()  # [hidden, I]
+    def down(self, expert: int) -> torch.Tensor | None:
+        return None if self.w2 is None else self.w2[expert].t()  # [hidden, I]
 
     def _routed_experts(self, x, weights, ids, out) -> None:
         """Tokens grouped by expert with one sort: per used expert one contiguous GEMM pair over

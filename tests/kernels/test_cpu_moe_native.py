@@ -7,7 +7,9 @@ routed form (``SparseMoE._routed_experts``):
 - a bf16 CPU layer takes it for a few tokens and not for a prefill chunk; expert ids outside
   the layer raise; what it cannot run it declines (None);
 - over the coded copies of the experts' and the shared expert's weights (``code_experts``) it
-  gives the same bits, and a layer with them (``SparseMoE.code_weights``) streams them.
+  gives the same bits, with or without the weights, and a layer with them
+  (``SparseMoE.code_weights``) streams them and, with packed bf16 copies too, runs without its
+  experts' weights (``release_experts``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from support.bf16_checks import assert_bf16_close
 from support.moe_layers import moe, run
 
+import model_runner.layers.linear as linear_module
 from kernels.gemv import RAW
 from kernels.moe_decode import (
     MOE_DECODE_MAX_TOKENS,
@@ -25,6 +28,7 @@ from kernels.moe_decode import (
     native_library,
     simd_available,
 )
+from model_runner.cpu_features import cpu_has_native_bf16
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no C compiler here")
 
@@ -148,6 +152,10 @@ def test_the_coded_copies_give_the_same_bits(tokens):
     for simd in (True, False):
         got = moe_decode(x, ids, weights, layer.w13, layer.w2, shared, simd=simd, coded=coded)
         assert torch.equal(got.view(torch.int16), want)
+        alone = moe_decode(x, ids, weights, None, None, shared, simd=simd, coded=coded)
+        assert torch.equal(alone.view(torch.int16), want)  # the copies without the weights
+    with pytest.raises(ValueError, match="coded copies"):
+        moe_decode(x, ids, weights, None, None, shared)
 
 
 @pytest.mark.skipif(not simd_available(), reason="no AVX-512 here")
@@ -165,3 +173,24 @@ def test_a_layer_with_coded_copies_streams_them():
     for w in (layer.w13, layer.w2, *layer.shared_expert.input_major()):
         w.mul_(2)
     assert torch.equal(layer(x), before)
+
+
+@pytest.mark.skipif(not (simd_available() and cpu_has_native_bf16()),
+                    reason="coded copies need AVX-512, packed bf16 ones native bf16")
+@torch.inference_mode()
+def test_a_layer_runs_from_its_copies_alone(monkeypatch):
+    """With packed bf16 copies of every expert (``PACK_MIN_ELEMENTS`` lowered for the tiny
+    layer) and coded ones, ``release_experts`` drops the routed experts' weights: a decode
+    step's tokens and a prefill chunk's give the same bits as before; a fixed-shape step,
+    which reads the weights, is refused."""
+    monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
+    layer = moe("gdn", 8, 2).to(torch.bfloat16)
+    layer.pack_weights()
+    layer.code_weights()
+    inputs = [_inputs(layer, n, seed=n)[0] for n in (2, MOE_DECODE_MAX_TOKENS + 9)]
+    want = [layer(x) for x in inputs]
+    size = layer.w13.nbytes + layer.w2.nbytes
+    assert layer.release_experts() == size and layer.w13 is None and layer.w2 is None
+    assert all(torch.equal(layer(x), w) for x, w in zip(inputs, want))
+    with pytest.raises(RuntimeError, match="fixed-shape"):
+        layer(inputs[0], is_static=True)

@@ -26,10 +26,11 @@ pytestmark = pytest.mark.skipif(native_library() is None or not simd_available()
                                 reason="the coded GEMV needs a C compiler and AVX-512")
 
 
-def bf16_runner(model_dir: str, coded: bool, screen: str = "auto") -> ModelRunner:
+def bf16_runner(model_dir: str, coded: bool, screen: str = "auto",
+                graphs: int = 0) -> ModelRunner:
     return ModelRunner(RunnerConfig(model_dir, dtype="bfloat16", num_pages=256, page_size=PAGE,
                                     num_state_slots=12, coded_weights=coded,
-                                    lm_head_screen=screen))
+                                    lm_head_screen=screen, cuda_graph_max_bs=graphs))
 
 
 @pytest.mark.parametrize("arch", ["gdn", "qwen3_5"])
@@ -77,6 +78,8 @@ def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatc
         linears = [m for m in runner.model.modules() if isinstance(m, PackedGemm)]
         assert all((m.weight is None) == (coded and stands_in(m)) for m in linears)
         assert any(m.weight is None for m in linears) == (coded and cpu_has_native_bf16())
+        moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+        assert all((m.w13 is None) == (coded and cpu_has_native_bf16()) for m in moes)
         head, embedding = runner.model.lm_head, runner.model.model.embed_tokens
         if head.weight is None and runner.cfg.tie_word_embeddings:  # its rows from the copy
             assert embedding.weight is None and embedding.coded is head.coded
@@ -95,6 +98,24 @@ def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatc
     (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
     assert sizes[True][0] > sizes[False][1] and sizes[False][0] > sizes[False][1]
+
+
+def test_fixed_shape_decode_keeps_the_experts(tmp_path, monkeypatch):
+    """Fixed-shape decode (``cuda_graph_max_bs``) reads the routed experts' weights: a runner
+    with it keeps them beside their copies, and its tokens and logits keep their bits."""
+    monkeypatch.setattr(linear_module, "PACK_MIN_ELEMENTS", 0)
+    make_model("gdn", tmp_path)
+    runs = {}
+    for coded in (True, False):
+        runner = bf16_runner(str(tmp_path), coded, graphs=4)
+        moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+        assert moes and all(m.w13 is not None and m.w2 is not None for m in moes)
+        seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
+                for i, p in enumerate(prompts(runner.vocab_size))]
+        with torch.inference_mode():
+            runs[coded] = greedy(runner, seqs, steps=6)
+    (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="packed bf16 copies need native bf16")
