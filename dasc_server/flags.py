@@ -142,7 +142,8 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
     on_off(g, "--cpu-packed-weights", RANKS.cpu_packed_weights,
            "give large linear weights a oneDNN-packed copy: bf16 on a CPU with AVX512-BF16 or "
            "AMX, for every GEMM (1.1-4x faster than torch's there), else fp32, for GEMMs of "
-           "2-256 rows (1.2-2.5x faster on AVX2); extra memory: the weight again in that dtype")
+           "2-256 rows (1.2-2.5x faster on AVX2); extra memory: the weight again in that dtype, "
+           "except where --cpu-coded-weights lets a bf16 linear drop the weight as loaded")
     on_off(g, "--cpu-huge-pages", RANKS.cpu_huge_pages,
            "copy the weights a decode step streams into transparent huge pages at start-up: "
            "decode steps took ~0.92x the time on the 2-core VM measured, for ~1-10 s more "
