@@ -223,7 +223,8 @@ def stop_children(children: dict[str, subprocess.Popen], conn) -> None:
 def ready_line(args: argparse.Namespace, info: ServerInfo, name: str) -> str:
     rank, ckpt = info.rank, info.config.checkpoints
     return (f"dasc-serve ready: http://{args.host}:{args.port} model={name} tp={rank.tp_size} "
-            f"threads={info.config.ranks.cpu_threads} checkpoint_slots={rank.num_checkpoint_slots} "
+            f"threads={info.config.ranks.cpu_threads} weight_bytes={rank.weight_bytes} "
+            f"checkpoint_slots={rank.num_checkpoint_slots} "
             f"bytes_per_slot={rank.checkpoint_bytes_per_slot} "
             f"(dense {rank.dense_bytes_per_slot}) wmax={ckpt.w_max:g} "
             f"chunked_prefill_size={info.chunked_prefill_size} "

@@ -128,7 +128,7 @@ def start(config: ServeConfig) -> tuple[ModelRunner, TPGroup, RankInfo]:
                     max_context_len(config.model), num_slots, slot_bytes,
                     dense_slot_bytes(cfg, tp.size), plan.refresh_window,
                     measure_prefill_rate(runner, min(PROBE_TOKENS, sched.max_total_tokens))
-                    if sched.step_target_ms else 0.0)
+                    if sched.step_target_ms else 0.0, weight_bytes=runner.weight_bytes)
     if config.tier.enabled:
         directory = config.tier.cache_tier_dir
         info.tier_fingerprint = fingerprint(config, runner, tp.size) if directory else "memory"

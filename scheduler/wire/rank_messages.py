@@ -22,6 +22,9 @@ class RankInfo:
     dense_bytes_per_slot: int  # max over ranks, W_max = 0
     refresh_window: int  # dasc-wr replay length W_wr (0: nothing omitted)
     prefill_tokens_per_s: float = 0.0  # measured at start-up with step_target_ms, else 0
+    # rank 0's memory for the weights, in every form it holds them (as loaded, packed, coded,
+    # the LM head's int8 screen), less the weights those copies stand in for
+    weight_bytes: int = 0
     # the second cache tier (--cache-tier-dir): what an entry's files must have been written
     # by (model, weights, TP degree, plan, checkpoint format), and rank 0's bytes per entry
     tier_fingerprint: str = ""

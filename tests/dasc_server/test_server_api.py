@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from safetensors import safe_open
 from support.http_helpers import cached_tokens, complete, post, stream_chunks, wait_idle
 from support.serving import EOS, KIMI, ids
 
@@ -240,6 +241,9 @@ def test_health_models_and_server_info(url):
         VOCAB_SIZE, EOS, MAX_CONTEXT)
     assert info["tp_size"] == 1 and info["prefix_cache"] is True
     assert info["chunked_prefill_size"] == 2048  # the default budget, reported
+    # an FP32 model too small for packed copies: its weights as the checkpoint stores them
+    with safe_open(KIMI / "model.safetensors", "pt") as f:
+        assert info["weight_bytes"] == sum(f.get_tensor(k).nbytes for k in f.keys())
 
 
 def test_flush_cache_forgets_every_prefix(url):

@@ -176,7 +176,7 @@ def test_server_info_names_the_arm_and_keeps_its_json_keys(flags, arm):
         "checkpoint_bytes_per_slot", "dense_bytes_per_slot", "w_max", "load_policy",
         "refresh_window", "prefix_cache", "park_finished", "checkpoint_format",
         "chunked_prefill_size", "arm", "prefill_tokens_per_s", "tier_fingerprint",
-        "kv_bytes_per_token", "tier_slot_bytes", "cache_tier_dir"}
+        "kv_bytes_per_token", "tier_slot_bytes", "cache_tier_dir", "weight_bytes"}
     assert body["park_finished"] is True
     ckpt = info.config.checkpoints
     assert body["checkpoint_format"] == f"{ckpt.selection.value} {ckpt.payload.value} off"
