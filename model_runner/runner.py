@@ -116,7 +116,8 @@ class ModelRunner:
         self.screened_head = self._screened_head(huge_pages)
         self.gemm_weight_bytes += self.screened_head.nbytes if self.screened_head else 0
         # a linear with both copies drops its weight: neither path reads it
-        self.gemm_weight_bytes -= release_weights(self.model, rc.cuda_graph_max_bs > 0)
+        self.gemm_weight_bytes -= release_weights(self.model,
+                                                  fixed_shapes=rc.cuda_graph_max_bs > 0)
         if huge_pages:
             move_to_huge_pages(decode_streamed(self.model, self.model.model.embed_tokens,
                                                [t for c in coded for t in c.tensors()]))

@@ -212,7 +212,8 @@ class PackedGemm:
     CODED_WEIGHTS = ("weight",)  # what ``coded`` stands in for at decode
     decode_gemv = True  # whether decode steps run its GEMV: only then is it coded
     # whether anything but ``linear`` reads ``weight`` (an input-major copy, an fp32 router,
-    # MLA's absorbed projections, a tied embedding): then its copies never stand in for it
+    # MLA's absorbed projections): then its copies never stand in for it (a tied embedding
+    # reads the head's coded copy instead: ``release_weights``)
     keeps_weight = False
     packed: torch.Tensor | None = None
     coded: CodedWeight | None = None
