@@ -184,10 +184,10 @@ def release_weights(model: nn.Module, fixed_shapes: bool = False) -> int:
     (``PackedGemm.release_weight``), and, unless ``fixed_shapes`` decode runs (its expert
     forms read them), every MoE layer its routed experts' (``release_experts``); returns the
     bytes freed.  A tied LM head's weight is the input embedding's tensor: where the head
-    drops it, the embedding reads its rows from the head's coded copy.  Run after
-    ``pack_gemms`` and ``code_gemms``."""
-    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
+    drops it, the embedding reads its rows from the head's coded copy.  An untied embedding
+    with a coded copy of its own (``code_gemms``) drops its weight for it (the bytes freed
+    net of the copy).  Run after ``pack_gemms`` and ``code_gemms``."""
+    embedding, head = _embedding_and_head(model)
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     freed = sum(m.release_weight() for m in model.modules() if isinstance(m, PackedGemm))
     if not fixed_shapes:
@@ -195,14 +195,27 @@ def release_weights(model: nn.Module, fixed_shapes: bool = False) -> int:
                      if hasattr(m, "release_experts"))
     if tied and head.weight is None:
         embedding.coded, embedding.weight = head.coded, None
+    elif not tied and embedding is not None and embedding.coded is not None:
+        freed += embedding.weight.nbytes - embedding.coded.nbytes
+        embedding.weight = None
     return freed
+
+
+def _embedding_and_head(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    return (getattr(getattr(model, "model", None), "embed_tokens", None),
+            getattr(model, "lm_head", None))
 
 
 def code_gemms(model: nn.Module) -> list[CodedWeight]:
     """Let every module with ``code_weights`` (the linears, the MoE layers) take the coded
     copies of its bf16 weights that a decode step streams (``kernels.gemv.code_weight``),
-    where those kernels run; returns the copies."""
-    return [c for m in model.modules() if hasattr(m, "code_weights") for c in m.code_weights()]
+    where those kernels run; returns the copies.  An untied input embedding takes one too,
+    which a step reads a few rows of (not returned: it is not streamed)."""
+    copies = [c for m in model.modules() if hasattr(m, "code_weights") for c in m.code_weights()]
+    embedding, head = _embedding_and_head(model)
+    if embedding is not None and (head is None or head.weight is not embedding.weight):
+        embedding.coded = code_weight(embedding.weight)
+    return copies
 
 
 class PackedGemm:
@@ -331,8 +344,8 @@ class RowParallelLinear(PackedGemm, nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Vocabulary rows [rank*V_p, (rank+1)*V_p), V_p = ceil(vocab / tp); padding rows are 0.
-    Where ``weight`` is None its rows come from ``coded``, its tied LM head's coded copy
-    (``release_weights``)."""
+    Where ``weight`` is None its rows come from ``coded``: its own coded copy, or its tied LM
+    head's (``code_gemms``, ``release_weights``)."""
 
     coded: CodedWeight | None = None
 

@@ -81,10 +81,11 @@ def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatc
         moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
         assert all((m.w13 is None) == (coded and cpu_has_native_bf16()) for m in moes)
         head, embedding = runner.model.lm_head, runner.model.model.embed_tokens
-        if head.weight is None and runner.cfg.tie_word_embeddings:  # its rows from the copy
-            assert embedding.weight is None and embedding.coded is head.coded
-        else:
-            assert embedding.weight is not None
+        if runner.cfg.tie_word_embeddings:  # its rows from the head's copy where it drops it
+            assert (embedding.weight is None) == (head.weight is None)
+            assert embedding.coded is (head.coded if head.weight is None else None)
+        else:  # from a copy of its own
+            assert (embedding.weight is None) == coded == (embedding.coded is not None)
         seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
                 for i, p in enumerate(prompts(runner.vocab_size))]
         with torch.inference_mode():
