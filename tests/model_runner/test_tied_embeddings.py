@@ -26,11 +26,14 @@ def test_tied_lm_head_is_the_embedding(tmp_path):
 
 def test_fp32_held_lm_head_leaves_the_embedding_bf16(tmp_path):
     make_model("qwen3_5", tmp_path)
-    held = _runner(tmp_path, dtype="bfloat16", fp32_weights=True, packed_weights=False)
+    # (without coded copies: with them the untied embedding would read its rows from its own)
+    held = _runner(tmp_path, dtype="bfloat16", fp32_weights=True, packed_weights=False,
+                   coded_weights=False)
     embedding, head = held.model.model.embed_tokens.weight, held.model.lm_head.weight
     assert embedding.dtype == torch.bfloat16 and head.dtype == torch.float32
     assert torch.equal(head, embedding.float())
-    plain = _runner(tmp_path, dtype="bfloat16", fp32_weights=False, packed_weights=False)
+    plain = _runner(tmp_path, dtype="bfloat16", fp32_weights=False, packed_weights=False,
+                    coded_weights=False)
     prompt = list(range(3, 30))
     with torch.inference_mode():
         got = held.forward([SeqInput(prompt, 0, list(range(12)), 1)])
