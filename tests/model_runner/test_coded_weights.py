@@ -33,6 +33,18 @@ def bf16_runner(model_dir: str, coded: bool, screen: str = "auto",
                                     lm_head_screen=screen, cuda_graph_max_bs=graphs))
 
 
+def greedy_run(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts prefilled together, then batched greedy decode: (tokens, logits)."""
+    seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
+            for i, p in enumerate(prompts(runner.vocab_size))]
+    with torch.inference_mode():
+        return greedy(runner, seqs, steps=6)
+
+
+def assert_same_bits(got: tuple, want: tuple) -> None:
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("arch", ["gdn", "qwen3_5"])
 def test_the_same_bits_with_and_without_coded_copies(tmp_path, arch):
     make_model(arch, tmp_path)
@@ -46,12 +58,8 @@ def test_the_same_bits_with_and_without_coded_copies(tmp_path, arch):
         moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
         assert all((m.coded is not None) == coded for m in moes)
         assert any(m.coded is not None for m in linears) == coded
-        seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
-                for i, p in enumerate(prompts(runner.vocab_size))]
-        with torch.inference_mode():
-            runs[coded] = greedy(runner, seqs, steps=6)
-    (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
-    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+        runs[coded] = greedy_run(runner)
+    assert_same_bits(runs[True], runs[False])
 
 
 def stands_in(m: PackedGemm) -> bool:
@@ -86,18 +94,15 @@ def test_linears_drop_the_weights_their_copies_stand_in_for(tmp_path, monkeypatc
             assert embedding.coded is (head.coded if head.weight is None else None)
         else:  # from a copy of its own
             assert (embedding.weight is None) == coded == (embedding.coded is not None)
-        seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
-                for i, p in enumerate(prompts(runner.vocab_size))]
-        with torch.inference_mode():
-            runs[coded] = greedy(runner, seqs, steps=6)
-            if runner.screened_head is not None:
-                fresh = [SeqInput(p, 0, list(range(180 + i * 20, 200 + i * 20)), 7 + i)
-                         for i, p in enumerate(prompts(runner.vocab_size, seed=1))]
+        runs[coded] = greedy_run(runner)
+        if runner.screened_head is not None:
+            fresh = [SeqInput(p, 0, list(range(180 + i * 20, 200 + i * 20)), 7 + i)
+                     for i, p in enumerate(prompts(runner.vocab_size, seed=1))]
+            with torch.inference_mode():
                 hidden = runner.forward(fresh, head=False)
                 want = runner.head_logits(hidden).argmax(dim=-1).tolist()
                 assert runner.greedy(hidden) == want and runner.screened_tokens == len(want)
-    (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
-    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    assert_same_bits(runs[True], runs[False])
     assert sizes[True][0] > sizes[False][1] and sizes[False][0] > sizes[False][1]
 
 
@@ -111,12 +116,8 @@ def test_fixed_shape_decode_keeps_the_experts(tmp_path, monkeypatch):
         runner = bf16_runner(str(tmp_path), coded, graphs=4)
         moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
         assert moes and all(m.w13 is not None and m.w2 is not None for m in moes)
-        seqs = [SeqInput(p, 0, list(range(i * 60, (i + 1) * 60)), i + 1)
-                for i, p in enumerate(prompts(runner.vocab_size))]
-        with torch.inference_mode():
-            runs[coded] = greedy(runner, seqs, steps=6)
-    (tokens, logits), (want_tokens, want_logits) = runs[True], runs[False]
-    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+        runs[coded] = greedy_run(runner)
+    assert_same_bits(runs[True], runs[False])
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="packed bf16 copies need native bf16")
