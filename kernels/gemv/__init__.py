@@ -29,7 +29,7 @@ _SIGNATURES = {
     "dasc_code_heads": (PTR, I64, I64, PTR),
     "dasc_code": (PTR, I64, I64, PTR, PTR, PTR, PTR),
     "dasc_gemv_coded": (PTR, I64, I64, PTR, PTR, PTR, PTR, I64, PTR, I64),
-    "dasc_coded_rows": (PTR, PTR, PTR, PTR, I64, PTR, I64, PTR),
+    "dasc_coded_rows": (PTR, PTR, PTR, PTR, I64, PTR, I64, PTR, I64),
 }
 
 GEMV_MAX_ROWS = 4  # its sums stay in registers: four weight rows by four rows of x
@@ -92,16 +92,17 @@ def code_weight(weight: torch.Tensor) -> CodedWeight | None:
     return _code(weight.detach())
 
 
-def coded_rows(coded: CodedWeight, ids: torch.Tensor) -> torch.Tensor:
+def coded_rows(coded: CodedWeight, ids: torch.Tensor, simd: bool = True) -> torch.Tensor:
     """Rows ``ids`` of the weight ``coded`` stands for, exactly: bf16 [*ids.shape, K], as
-    ``F.embedding(ids, weight)`` gives them (an id out of range raises IndexError)."""
+    ``F.embedding(ids, weight)`` gives them (an id out of range raises IndexError); AVX-512
+    decodes them where it runs unless ``simd`` is False (the portable form, the tests')."""
     n, k = coded.shape
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
         raise IndexError(f"row ids must lie in [0, {n})")
     out = torch.empty(flat.numel(), k, dtype=torch.bfloat16)
     native_library().dasc_coded_rows(*(t.data_ptr() for t in coded.tensors()), k,
-                                     flat.data_ptr(), flat.numel(), out.data_ptr())
+                                     flat.data_ptr(), flat.numel(), out.data_ptr(), int(simd))
     return out.view(*ids.shape, k)
 
 

@@ -289,11 +289,38 @@ int dasc_gemv_coded(const void *x, int64_t m, int64_t k, const uint8_t *body, co
     return 0;
 }
 
+#ifdef HAVE_X86
+/* decode_row by decode_block: a block's two vectors of 32-bit pairs are its elements 0-31 and
+ * 32-63 in order (each pair's low half the even element), so they are stored as they are. */
+AVX512 static void decode_row_avx512(const uint8_t *body, const uint8_t *head,
+                                     const uint8_t *side, const int64_t *side_at, int64_t k,
+                                     int64_t r, uint16_t *row) {
+    const int64_t blocks = k / CODE_BLOCK;
+    const uint8_t *raw = side + side_at[r];
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int base = head[r * blocks + b];
+        __m512i first, second;
+        decode_block(body + (r * blocks + b) * CODE_BYTES, base, raw, &first, &second);
+        raw += base == RAW ? CODE_BLOCK : 0;
+        _mm512_storeu_si512(row + b * CODE_BLOCK, first);
+        _mm512_storeu_si512(row + b * CODE_BLOCK + 32, second);
+    }
+}
+#endif
+
 /* Rows ids[0..n) of the weight [*, k] that body/head/side stand for, exactly, as bf16 into
- * out [n, k]: an input embedding's lookup from its tied LM head's coded copy. */
+ * out [n, k]: an input embedding's lookup, the LM head screen's candidate rows. */
 void dasc_coded_rows(const uint8_t *body, const uint8_t *head, const uint8_t *side,
                      const int64_t *side_at, int64_t k, const int64_t *ids, int64_t n,
-                     uint16_t *out) {
+                     uint16_t *out, int64_t simd) {
+#ifdef HAVE_X86
+    if (simd_ok(k, simd)) {
+#pragma omp parallel for schedule(static) if (n >= 64)
+        for (int64_t i = 0; i < n; ++i)
+            decode_row_avx512(body, head, side, side_at, k, ids[i], out + i * k);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (n >= 64)
     for (int64_t i = 0; i < n; ++i)
         decode_row(body, head, side, side_at, k, ids[i], out + i * k);

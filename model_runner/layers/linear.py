@@ -188,22 +188,21 @@ def release_weights(model: nn.Module, fixed_shapes: bool = False) -> int:
     with a coded copy of its own (``code_gemms``) drops its weight for it (the bytes freed
     net of the copy).  Run after ``pack_gemms`` and ``code_gemms``."""
     embedding, head = _embedding_and_head(model)
-    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    tied = head.weight is embedding.weight
     freed = sum(m.release_weight() for m in model.modules() if isinstance(m, PackedGemm))
     if not fixed_shapes:
         freed += sum(m.release_experts() for m in model.modules()
                      if hasattr(m, "release_experts"))
     if tied and head.weight is None:
         embedding.coded, embedding.weight = head.coded, None
-    elif not tied and embedding is not None and embedding.coded is not None:
+    elif not tied and embedding.coded is not None:
         freed += embedding.weight.nbytes - embedding.coded.nbytes
         embedding.weight = None
     return freed
 
 
-def _embedding_and_head(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    return (getattr(getattr(model, "model", None), "embed_tokens", None),
-            getattr(model, "lm_head", None))
+def _embedding_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    return model.model.embed_tokens, model.lm_head  # models/common.py's layout
 
 
 def code_gemms(model: nn.Module) -> list[CodedWeight]:
@@ -213,7 +212,7 @@ def code_gemms(model: nn.Module) -> list[CodedWeight]:
     which a step reads a few rows of (not returned: it is not streamed)."""
     copies = [c for m in model.modules() if hasattr(m, "code_weights") for c in m.code_weights()]
     embedding, head = _embedding_and_head(model)
-    if embedding is not None and (head is None or head.weight is not embedding.weight):
+    if head.weight is not embedding.weight:
         embedding.coded = code_weight(embedding.weight)
     return copies
 

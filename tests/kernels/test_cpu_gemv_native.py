@@ -185,8 +185,9 @@ def test_coded_rows_are_the_weights_rows():
     coded = code_weight(w)
     for ids in (torch.tensor([0]), torch.tensor([[202, 0, 5], [5, 5, 17]]),
                 torch.randint(0, 203, (300,), generator=torch.Generator().manual_seed(1))):
-        assert torch.equal(coded_rows(coded, ids).view(torch.int16),
-                           F.embedding(ids, w).view(torch.int16))
+        for simd in (True, False):
+            assert torch.equal(coded_rows(coded, ids, simd=simd).view(torch.int16),
+                               F.embedding(ids, w).view(torch.int16))
     for bad in (torch.tensor([203]), torch.tensor([-1])):
         with pytest.raises(IndexError):
             coded_rows(coded, bad)
